@@ -9,6 +9,7 @@ import logging
 import pytest
 
 from router.cli import build_parser, main
+from router.publisher.cli import validate
 from router.publisher.env import check
 from router.store.codec import replica_signing_key
 
@@ -206,3 +207,36 @@ def test_ranks_given_with_zmq_auto_stop_the_command(env: dict[str, str], flags: 
     assert out.returncode == 2, out.stderr
     assert "--dp-ranks" in out.stderr and "--zmq auto" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "flags", "needle"),
+    [
+        # was "non-hexadecimal number found in fromhex() arg at position 0", no flag named
+        ({}, ["--signing-key", "zz" * 32], "--signing-key: not hex"),
+        # any other length signs with a key no router derives: every entry refused
+        ({}, ["--signing-key", "ab" * 16], "--signing-key: 16 bytes, not the 32 of"),
+        # was read as no key: the publisher ran unsigned
+        ({"KVROUTER_PUBLISHER__SIGNING_KEY": ""}, [], "KVROUTER_PUBLISHER__SIGNING_KEY: empty"),
+        ({}, ["--signing-key", ""], "--signing-key: empty"),
+        # was "invalid key prefix ''" / "stream_shards must be in [1, 1024]", no flag named
+        ({}, ["--key-prefix", ""], "--key-prefix: empty"),
+        ({}, ["--key-prefix", "k{v}"], "--key-prefix: 'k{v}' holds"),
+        ({}, ["--stream-shards", "0"], "--stream-shards: must be in [1, 1024], got 0"),
+        # was read as no engine metrics: load never scraped
+        ({"KVROUTER_PUBLISHER__ENGINE_METRICS": " "}, [], "ENGINE_METRICS: empty"),
+        ({"KVROUTER_PUBLISHER__DP_RANKS": ""}, [], "KVROUTER_PUBLISHER__DP_RANKS: empty"),
+    ],
+)
+def test_keys_the_routers_cannot_follow_stop_the_command(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], flags: list[str], needle: str
+) -> None:
+    """Checked before the command connects anywhere (``validate``, which ``run`` calls
+    first), each naming the flag or the variable and never printing the key."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    argv = ["publish", "--replica", "r0", "--model", "m", "--zmq", "tcp://127.0.0.1:1"]
+    args = build_parser().parse_args([*argv, "--redis", "redis://127.0.0.1:1/0", *flags])
+    with pytest.raises(ValueError) as info:
+        validate(args, env)
+    assert needle in str(info.value) and "zz" * 32 not in str(info.value)

@@ -296,7 +296,7 @@ def test_client_keys_with_grpc_need_no_grpc_token(tmp_path: Path) -> None:
         ("max_prompt_tokens = -1", "server.max_prompt_tokens"),
         ("max_connections = -5", "server.max_connections"),
         ("pool_per_replica = 0", "server.pool_per_replica: must be >= 1"),
-        ("redis_stream_shards = 0", "server.redis_stream_shards: must be >= 1"),
+        ("redis_stream_shards = 0", "server.redis_stream_shards: must be in [1, 1024]"),
         ("outlier_consecutive_failures = 0", "server.outlier_consecutive_failures"),
         ("retry_budget_ratio = 2.0", "server.retry_budget_ratio: must be in [0, 1]"),
         ("retry_budget_ratio = -0.5", "server.retry_budget_ratio"),

@@ -21,6 +21,8 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from aiohttp import web
 
     from router.events.endpoints import EndpointSpec
@@ -99,7 +101,7 @@ async def _main(args: argparse.Namespace) -> int:
     store = RedisStore.from_url(
         args.redis,
         KeySchema(args.key_prefix, args.stream_shards),
-        signing_key=bytes.fromhex(signing_hex) if signing_hex else None,
+        signing_key=bytes.fromhex(signing_hex) if signing_hex is not None else None,
     )
     publisher = Publisher(settings, store)
     stop = asyncio.Event()
@@ -190,6 +192,44 @@ def check_timing(args: argparse.Namespace) -> None:
             raise ValueError(f"--redis: {exc}") from None
 
 
+def check_keys(args: argparse.Namespace) -> None:
+    """Raise ValueError naming a ``--signing-key``, ``--key-prefix`` or ``--stream-shards``
+    the routers could not follow: a signing key that is empty (the publisher would write
+    unsigned entries), not hex, or not the 32 bytes ``kvrouter signing-key`` derives (every
+    entry signed with a key no router derives, all refused); a key schema Redis would
+    refuse (router/store/schema.py, the routers' own rules)."""
+    from router.store.schema import prefix_problem, shards_problem
+
+    key = args.signing_key
+    if key is not None:
+        if not key.strip():
+            raise ValueError("--signing-key: empty; give the key or leave the flag out")
+        try:
+            size = len(bytes.fromhex(key))
+        except ValueError:
+            raise ValueError("--signing-key: not hex (kvrouter signing-key prints it)") from None
+        if size != 32:
+            raise ValueError(
+                f"--signing-key: {size} bytes, not the 32 of a key kvrouter signing-key "
+                "derives; the routers would refuse every entry signed with it"
+            )
+    if problem := prefix_problem(args.key_prefix):
+        raise ValueError(f"--key-prefix: {problem}")
+    if problem := shards_problem(args.stream_shards):
+        raise ValueError(f"--stream-shards: {problem}")
+
+
+def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    """Every check of the command line and its environment, before anything connects:
+    ValueError naming the flag or variable."""
+    from router.publisher.env import check
+
+    check(args, environ)
+    check_ranks(args)
+    check_timing(args)
+    check_keys(args)
+
+
 def check_ranks(args: argparse.Namespace) -> None:
     """Raise ValueError for ``--dp-ranks`` given with ``--zmq auto`` (on the command line or
     in the environment): the engine names its ranks then, and they would be ignored (an
@@ -224,13 +264,10 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
     from router.core.errors import ConfigError
-    from router.publisher.env import check
     from router.service.security import install_log_redaction
 
     try:
-        check(args, os.environ)
-        check_ranks(args)
-        check_timing(args)
+        validate(args, os.environ)
     except ValueError as exc:
         print(f"kvrouter publish: {exc}", file=sys.stderr)
         return 2

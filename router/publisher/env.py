@@ -5,8 +5,8 @@
 
 Values are converted as the flag converts them, and flags that repeat or take several
 values (``--zmq``, ``--replay``, ``--dp-ranks``) take a comma-separated list. A variable of the
-section naming no flag, or a value that does not convert, stops the command with an error
-naming the variable (:func:`check`). The names of earlier releases (``RENAMED``) are still
+section naming no flag, or a value that is empty or does not convert, stops the command with
+an error naming the variable (:func:`check`). The names of earlier releases (``RENAMED``) are still
 read, with a warning naming the new one.
 """
 
@@ -34,6 +34,9 @@ def variable(action: argparse.Action) -> str:
 
 
 def _convert(action: argparse.Action, var: str, text: str) -> object:
+    if not text.strip():  # (KVROUTER_PUBLISHER__SIGNING_KEY=${KEY} with KEY unset: no key)
+        flag = action.option_strings[-1]
+        raise ValueError(f"{var}: empty; unset it to leave {flag} as its default")
     convert = action.type if callable(action.type) else str
     several = action.nargs in ("+", "*") or isinstance(action, argparse._AppendAction)
     parts = [p.strip() for p in text.split(",") if p.strip()] if several else [text]

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# max_message_mb is below this: grpc takes its byte count as a C int (2**31 - 1 at most)
+MAX_MESSAGE_MB = 2048
+
 
 @dataclass(slots=True, frozen=True)
 class GrpcSettings:

@@ -56,8 +56,11 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """What ``serve`` runs with: the file, the tuned policy file, the environment, then the
     flags (``--policy`` names every model's policy, discovered replicas' models included)."""
+    from router.core.errors import ConfigError
     from router.service.config import load_settings
 
+    if args.config is not None and not args.config.strip():
+        raise ConfigError("--config: empty; give a file or leave the flag out")
     return load_settings(
         args.config, overrides=_overrides(args), policy_file=args.policy_file, policy=args.policy
     )

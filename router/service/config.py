@@ -32,9 +32,11 @@ from urllib.parse import urlsplit
 from router.core.disagg import Role
 from router.core.errors import ConfigError
 from router.events.endpoints import engine_endpoints
+from router.rpc.settings import MAX_MESSAGE_MB
 from router.service.config_env import env_overrides
 from router.service.config_models import model_settings
 from router.service.config_tables import merge, read_file, table_or_empty, typed
+from router.service.http_connection import MAX_HEAD_BYTES
 from router.service.replica_url import ReplicaUrl
 from router.service.settings import (
     DEFAULT_POLICY,
@@ -46,7 +48,7 @@ from router.service.settings import (
 )
 from router.store.base import MAX_DP_RANKS
 from router.store.codec import master_secret
-from router.store.schema import check_redis_url
+from router.store.schema import check_redis_url, prefix_problem, shards_problem
 
 
 def _check_pods(server: ServerSettings) -> None:
@@ -103,7 +105,7 @@ _NON_NEGATIVE = (  # finite, >= 0 (0: off or automatic, see ServerSettings)
     "max_header_kb",
     "max_concurrent_per_key",
 )
-_AT_LEAST_ONE = ("outlier_consecutive_failures", "pool_per_replica", "redis_stream_shards")
+_AT_LEAST_ONE = ("outlier_consecutive_failures", "pool_per_replica")
 _SHARES = ("retry_budget_ratio", "outlier_max_ejected_share")  # in [0, 1]
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -123,17 +125,39 @@ def _check_server_ranges(server: ServerSettings) -> None:
     for name in _SHARES:
         if not 0 <= (v := getattr(server, name)) <= 1:
             raise ConfigError(f"server.{name}: must be in [0, 1], got {v!r}")
+    if server.grpc_max_message_mb >= MAX_MESSAGE_MB:
+        raise ConfigError(
+            f"server.grpc_max_message_mb: must be below {MAX_MESSAGE_MB} (grpc counts a "
+            f"message's bytes in a 32-bit integer), got {server.grpc_max_message_mb:g}"
+        )
+    if server.max_header_kb * 1024 > MAX_HEAD_BYTES:
+        raise ConfigError(
+            f"server.max_header_kb: must be at most {MAX_HEAD_BYTES // 1024} (the HTTP "
+            f"parser's ceiling on a request head), got {server.max_header_kb:g}"
+        )
+    # TLS is on when both files are set (router/rpc/server.py): one alone is a mistake
+    tls = [k for k in ("grpc_tls_cert", "grpc_tls_key") if getattr(server, k) is not None]
+    if len(tls) == 1:
+        missing = "grpc_tls_key" if tls == ["grpc_tls_cert"] else "grpc_tls_cert"
+        raise ConfigError(
+            f"server.{missing}: needed with {tls[0]} (alone, gRPC would serve in plaintext)"
+        )
     if server.grpc_port is not None and not 0 <= server.grpc_port < 65536:
         raise ConfigError(f"server.grpc_port: {server.grpc_port} is not a TCP port (0: any free)")
+    # the Redis key schema's (router/store/schema.py KeySchema), checked before start-up
+    if problem := prefix_problem(server.redis_key_prefix):
+        raise ConfigError(f"server.redis_key_prefix: {problem}")
+    if problem := shards_problem(server.redis_stream_shards):
+        raise ConfigError(f"server.redis_stream_shards: {problem}")
     if server.log_level.lower() not in _LOG_LEVELS:
         raise ConfigError(
             f"server.log_level: {server.log_level!r} is not one of " + ", ".join(_LOG_LEVELS)
         )
 
 
-# [server] strings whose "" is not refused here: a Redis key prefix may be none; blank
-# api_keys are refused when the app is built (security.Limits, with a blank file's)
-_EMPTY_ALLOWED = ("redis_key_prefix", "api_keys")
+# [server] strings whose "" is not refused here: blank api_keys are refused when the app is
+# built (security.Limits, with a blank file's)
+_EMPTY_ALLOWED = ("api_keys",)
 
 
 def _refuse_empty(settings: ServerSettings | ReplicaSettings, where: str) -> None:
@@ -302,7 +326,9 @@ def load_settings(
     source and each model a replica names, validated with its ``policy_params`` as a file's."""
     env = dict(os.environ if environ is None else environ)
     data: dict[str, Any] = {}
-    path = path or env.get("KVROUTER_CONFIG")
+    if path is None and (path := env.get("KVROUTER_CONFIG")) is not None and not path.strip():
+        # (KVROUTER_CONFIG=${CONFIG} with CONFIG unset: a file was meant, not the defaults)
+        raise ConfigError("KVROUTER_CONFIG: empty; unset it to run without a config file")
     if path:
         data = read_file(path)
     from_env = env_overrides(env)

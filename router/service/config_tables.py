@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from router.core.errors import ConfigError
-from router.service.settings import declared_kind
+from router.service.settings import SECRET_KEYS, declared_kind
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -33,14 +33,30 @@ def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         if p.suffix in (".yaml", ".yml"):
             import yaml
 
-            data = yaml.safe_load(raw) or {}
+            try:
+                data = yaml.safe_load(raw) or {}
+            except yaml.MarkedYAMLError as exc:
+                raise ConfigError(f"cannot parse config file {p}: {_yaml_problem(exc)}") from None
         else:
             data = tomllib.loads(raw.decode("utf-8"))
+    except ConfigError:
+        raise
     except Exception as exc:  # yaml and toml raise their own error types
         raise ConfigError(f"cannot parse config file {p}: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p} must hold a table/mapping at the top level")
     return data
+
+
+def _yaml_problem(exc: Any) -> str:
+    """A YAML syntax error (``yaml.MarkedYAMLError``) as its problem and where: PyYAML's own
+    message quotes the offending line, a secret on it included."""
+    parts = []
+    for what, mark in ((exc.context, exc.context_mark), (exc.problem, exc.problem_mark)):
+        if what:
+            at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+            parts.append(f"{what}{at}")
+    return ": ".join(parts) or type(exc).__name__
 
 
 def merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -93,9 +109,12 @@ def checked(
         elif kind.startswith("str"):
             ok = isinstance(value, str)
         if not ok:
-            raise ConfigError(
-                f"{where}.{key}: expected {kind}, got {value!r}{_yaml_hint(kind, value)}"
+            got = (
+                f"a value of type {type(value).__name__} (not shown)"
+                if key in SECRET_KEYS
+                else repr(value)
             )
+            raise ConfigError(f"{where}.{key}: expected {kind}, got {got}{_yaml_hint(kind, value)}")
         kwargs[key] = value
     return kwargs
 

@@ -248,6 +248,20 @@ class Settings:
         return self.models.get(name) or ModelSettings(name=name)
 
 
+# Settings that hold a credential: a configuration error names them but never shows their
+# value (router/service/config_tables.py checked); the log filter masks their values
+# (router/service/security.py server_secrets).
+SECRET_KEYS = frozenset(
+    (
+        "admin_token",
+        "api_keys",
+        "grpc_token",
+        "redis_signing_master",
+        "record_key",
+        "render_api_key",
+    )
+)
+
 # The keys of a [models.NAME] table that ``kvrouter sim tune`` writes (sim/tuned.py) and
 # ``serve --policy-file`` reads; a policy file's other keys are refused (config.py).
 TUNED_KEYS = ("policy", "policy_params", "block_size", "hybrid", "state_interval_blocks")

@@ -63,6 +63,26 @@ def check_replica_name(name: str) -> str:
     return name
 
 
+MAX_STREAM_SHARDS = 1024
+
+
+def prefix_problem(prefix: str) -> str | None:
+    """What is wrong with ``prefix`` as a key prefix (None: nothing): keys need one, and a
+    brace would make it a Redis Cluster hash tag, so that every key shared one slot."""
+    if not prefix:
+        return "empty"
+    if "{" in prefix or "}" in prefix:
+        return f"{prefix!r} holds '{{' or '}}' (a Redis Cluster hash tag: one slot for all)"
+    return None
+
+
+def shards_problem(stream_shards: int) -> str | None:
+    """What is wrong with ``stream_shards`` as a change-stream shard count (None: nothing)."""
+    if 1 <= stream_shards <= MAX_STREAM_SHARDS:
+        return None
+    return f"must be in [1, {MAX_STREAM_SHARDS}], got {stream_shards}"
+
+
 @dataclass(slots=True, frozen=True)
 class KeySchema:
     """Names of every key for one deployment (``prefix``) and stream sharding."""
@@ -71,10 +91,10 @@ class KeySchema:
     stream_shards: int = 8
 
     def __post_init__(self) -> None:
-        if not self.prefix or "{" in self.prefix or "}" in self.prefix:
-            raise ConfigError(f"invalid key prefix {self.prefix!r}")
-        if not 1 <= self.stream_shards <= 1024:
-            raise ConfigError("stream_shards must be in [1, 1024]")
+        if problem := prefix_problem(self.prefix):
+            raise ConfigError(f"key prefix: {problem}")
+        if problem := shards_problem(self.stream_shards):
+            raise ConfigError(f"stream shards: {problem}")
 
     def _r(self, replica: str) -> str:
         return f"{self.prefix}:{{{replica}}}"
