@@ -35,16 +35,18 @@ def usage(prompt_tokens: int, completion_tokens: int) -> bytes:
 
 
 @contextlib.asynccontextmanager
-async def scripted_replica(script: Script, bodies: list[Any] | None = None) -> AsyncIterator[str]:
+async def scripted_replica(
+    script: Script, bodies: list[Any] | None = None, content_type: str = "text/event-stream"
+) -> AsyncIterator[str]:
     """The base URL of a replica answering ``POST /v1/completions`` with an event stream
-    that ``script`` writes to each request's response; the JSON bodies it received go to
-    ``bodies``."""
+    (or another ``content_type``: a JSON answer) that ``script`` writes to each request's
+    response; the JSON bodies it received go to ``bodies``."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         if bodies is not None:
             bodies.append(json.loads(body))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        resp = web.StreamResponse(headers={"Content-Type": content_type})
         await resp.prepare(request)
         await script(resp)
         await resp.write_eof()

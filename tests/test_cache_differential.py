@@ -66,27 +66,30 @@ _TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
 _SYSTEM = {"role": "system", "content": "Keep answers short. " * 900}
 
 
-def _text(r: random.Random, n: int) -> str:
-    return "".join(r.choice(_WORDS) for _ in range(n))
+def _text(r: random.Random, n: int, words: list[str] = _WORDS) -> str:
+    return "".join(r.choice(words) for _ in range(n))
 
 
-def _message(r: random.Random) -> dict[str, Any]:
+def _message(r: random.Random, words: list[str] = _WORDS, parts: bool = True) -> dict[str, Any]:
+    """A random message of any role, its text drawn from ``words`` (``parts``: a user's
+    content may be a list of text parts)."""
     k = r.random()
     if k < 0.35:
-        return {"role": "user", "content": _text(r, r.randint(0, 300))}
+        return {"role": "user", "content": _text(r, r.randint(0, 300), words)}
     if k < 0.6:
-        return {"role": "assistant", "content": _text(r, r.randint(0, 150))}
+        return {"role": "assistant", "content": _text(r, r.randint(0, 150), words)}
     if k < 0.75:
         call = {
             "id": f"c{r.randint(0, 9)}",
             "type": "function",
-            "function": {"name": "f", "arguments": json.dumps({"a": _text(r, 5)})},
+            "function": {"name": "f", "arguments": json.dumps({"a": _text(r, 5, words)})},
         }
-        return {"role": "assistant", "content": _text(r, 10) or None, "tool_calls": [call]}
-    if k < 0.9:
-        content = _text(r, r.randint(0, 400))
+        return {"role": "assistant", "content": _text(r, 10, words) or None, "tool_calls": [call]}
+    if k < 0.9 or not parts:
+        content = _text(r, r.randint(0, 400), words)
         return {"role": "tool", "tool_call_id": f"c{r.randint(0, 9)}", "content": content}
-    return {"role": "user", "content": [{"type": "text", "text": _text(r, r.randint(0, 80))}]}
+    text = _text(r, r.randint(0, 80), words)
+    return {"role": "user", "content": [{"type": "text", "text": text}]}
 
 
 def _variant(r: random.Random, body: dict[str, Any]) -> dict[str, Any]:

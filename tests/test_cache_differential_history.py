@@ -23,6 +23,7 @@ from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.pipeline import PromptProcessor
 from router.tokenize.template import ChatTemplate
 from tests.test_cache_differential import _files
+from tests.test_cache_differential import _message as _any_message
 from tests.test_tokenize_local import LOCAL, STATEFUL
 
 TEMPLATES = {
@@ -55,25 +56,9 @@ _WORDS += ["é", "e\u0301", "<|im_user|>", "  ", "ab", "Å"]
 _SYSTEM = {"role": "system", "content": "Keep answers short. " * 900}  # the cached paths
 
 
-def _text(r: random.Random, n: int) -> str:
-    return "".join(r.choice(_WORDS) for _ in range(n))
-
-
 def _message(r: random.Random) -> dict[str, Any]:
-    k = r.random()
-    if k < 0.35:
-        return {"role": "user", "content": _text(r, r.randint(0, 200))}
-    if k < 0.6:
-        return {"role": "assistant", "content": _text(r, r.randint(0, 100))}
-    if k < 0.75:
-        call = {
-            "id": f"c{r.randint(0, 9)}",
-            "type": "function",
-            "function": {"name": "f", "arguments": json.dumps({"a": _text(r, 5)})},
-        }
-        return {"role": "assistant", "content": _text(r, 10) or None, "tool_calls": [call]}
-    content = _text(r, r.randint(0, 300))
-    return {"role": "tool", "tool_call_id": f"c{r.randint(0, 9)}", "content": content}
+    """A random message (tests/test_cache_differential.py's), its text of :data:`_WORDS`."""
+    return _any_message(r, _WORDS, parts=False)
 
 
 def _same_length_edit(r: random.Random, m: dict[str, Any]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ loopback, scraped as Prometheus does."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -105,48 +106,36 @@ async def test_a_replica_reporting_negative_counts_is_still_counted(stream: bool
 
     from router.service.config import build_settings
     from tests.backends import metric_sample
-    from tests.ports import free_port
-    from tests.scripted_replica import DONE, event, token
+    from tests.scripted_replica import DONE, event, scripted_replica, token
 
     bad = {"prompt_tokens": -5, "completion_tokens": -1,
            "prompt_tokens_details": {"cached_tokens": -3}}  # fmt: skip
 
-    async def handler(request: web.Request) -> web.StreamResponse:
-        await request.read()
+    async def answer(resp: web.StreamResponse) -> None:
         if not stream:
             choice = {"index": 0, "text": "x", "finish_reason": "stop"}
-            return web.json_response({"id": "c", "choices": [choice], "usage": bad})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
+            await resp.write(json.dumps({"id": "c", "choices": [choice], "usage": bad}).encode())
+            return
         await resp.write(token("x", "stop") + event({"id": "c", "choices": [], "usage": bad}))
         await resp.write(DONE)
-        return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    settings = build_settings(
-        {"replicas": [{"url": f"http://127.0.0.1:{port}", "model": MODEL, "name": "a"}]}
-    )
-    router, url = await start_router(settings)
-    try:
-        body = {"model": MODEL, "prompt": "hello there", "max_tokens": 1, "stream": stream}
-        async with aiohttp.ClientSession() as http:
-            async with http.post(url + "/v1/completions", json=body) as r:
-                assert r.status == 200
-                await r.read()
-            async with http.get(url + "/metrics") as r:
-                page = await r.text()
-        assert await _outcomes(url) == {("a", "ok"): 1.0}
-        assert metric_sample(page, "kvrouter_slo_requests_total", model=MODEL, result="met") == 1
-        assert metric_sample(page, "kvrouter_engine_cached_tokens_total", model=MODEL) in (None, 0)
-        assert metric_sample(page, "kvrouter_engine_prompt_tokens_drift_count", model=MODEL) in (
-            None,
-            0,
-        )
-    finally:
-        await router.cleanup()
-        await runner.cleanup()
+    content_type = "text/event-stream" if stream else "application/json"
+    async with scripted_replica(answer, content_type=content_type) as replica:
+        settings = build_settings({"replicas": [{"url": replica, "model": MODEL, "name": "a"}]})
+        router, url = await start_router(settings)
+        try:
+            body = {"model": MODEL, "prompt": "hello there", "max_tokens": 1, "stream": stream}
+            async with aiohttp.ClientSession() as http:
+                async with http.post(url + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    await r.read()
+                async with http.get(url + "/metrics") as r:
+                    page = await r.text()
+            assert await _outcomes(url) == {("a", "ok"): 1.0}
+            met = metric_sample(page, "kvrouter_slo_requests_total", model=MODEL, result="met")
+            assert met == 1
+            for name in ("kvrouter_engine_cached_tokens_total",
+                         "kvrouter_engine_prompt_tokens_drift_count"):  # fmt: skip
+                assert metric_sample(page, name, model=MODEL) in (None, 0), name
+        finally:
+            await router.cleanup()
