@@ -17,7 +17,6 @@ import random
 
 import pytest
 
-from router.core.errors import NoReplicaAvailable
 from router.core.index import PrefixIndex
 from router.core.load import EngineReport, LoadTracker, PeerLoad
 from router.core.policies import Ours
@@ -27,12 +26,14 @@ from router.core.state_layout import SOURCE_ENGINE
 from router.core.types import (
     MAX_RANKING,
     AllCleared,
+    Decision,
     EventBatch,
     Kind,
     ReplicaKey,
     RouteRequest,
     Tier,
 )
+from tests.test_routing_columns import _decide
 
 
 def _world(rng: random.Random) -> tuple[RoutingEngine, tuple[ReplicaKey, ...], int]:
@@ -136,13 +137,13 @@ def _route(
     now: float,
     seed: int,
 ) -> object:
-    draws = random.Random(seed)
-    try:
-        d = engine.route(request, keys, now, draws)
-    except NoReplicaAvailable as exc:
-        return ("refused", str(exc), exc.busy)
+    got = _decide(engine, request, keys, now, seed)  # a refusal, or the decision and a draw
+    assert isinstance(got, tuple)
+    d, draw = got[0], got[-1]
+    if not isinstance(d, Decision):
+        return got
     assert math.isfinite(d.score)
-    return d._replace(ranking=d.ranking[:MAX_RANKING]), draws.random()
+    return d._replace(ranking=d.ranking[:MAX_RANKING]), draw
 
 
 @pytest.mark.parametrize("seed", range(100))
