@@ -448,3 +448,34 @@ def test_an_empty_replica_string_is_refused(tmp_path: Path, key: str) -> None:
     path.write_text(f'[[replicas]]\nurl = "http://10.0.0.1:8000"\nmodel = "m"\n{key} = ""\n')
     with pytest.raises(ConfigError, match=f"replicas\\[0\\].{key}: empty"):
         load_settings(path, environ={})
+
+
+@pytest.mark.parametrize(
+    ("lines", "needle"),
+    [
+        # the deadline is min(max(min_s, factor x predicted), timeout_s): min_s never applied
+        (
+            "first_byte_min_s = 700.0",
+            "server.first_byte_min_s: 700 is more than server.first_byte_timeout_s (600)",
+        ),
+        # the n-th ejection lasts min(n x base, max): every one max, the growth gone
+        (
+            "outlier_base_ejection_s = 90.0",
+            "server.outlier_base_ejection_s: 90 is more than server.outlier_max_ejection_s (60)",
+        ),
+    ],
+)
+def test_contradictory_server_settings_are_refused(tmp_path: Path, lines: str, needle: str) -> None:
+    """A lower bound above its upper bound: it would silently not apply."""
+    path = tmp_path / "c.toml"
+    path.write_text(f"[server]\n{lines}\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    assert needle in str(info.value)
+
+
+def test_bounds_that_meet_load(tmp_path: Path) -> None:
+    """Equal bounds are a fixed deadline and ejection."""
+    path = tmp_path / "c.toml"
+    path.write_text("[server]\nfirst_byte_min_s = 600.0\noutlier_base_ejection_s = 60.0\n")
+    assert load_settings(path, environ={}).server.first_byte_min_s == 600.0

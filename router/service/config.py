@@ -125,6 +125,17 @@ def _check_server_ranges(server: ServerSettings) -> None:
     for name in _SHARES:
         if not 0 <= (v := getattr(server, name)) <= 1:
             raise ConfigError(f"server.{name}: must be in [0, 1], got {v!r}")
+    for low, high in (
+        # the first-byte deadline: first_byte_factor x predicted, within [min, timeout]
+        ("first_byte_min_s", "first_byte_timeout_s"),
+        # the n-th ejection in a row: n x base, at most max
+        ("outlier_base_ejection_s", "outlier_max_ejection_s"),
+    ):
+        if (v := getattr(server, low)) > (top := getattr(server, high)):
+            raise ConfigError(
+                f"server.{low}: {v:g} is more than server.{high} ({top:g}), its upper bound: "
+                f"it would never apply; lower it or raise {high}"
+            )
     if server.grpc_max_message_mb >= MAX_MESSAGE_MB:
         raise ConfigError(
             f"server.grpc_max_message_mb: must be below {MAX_MESSAGE_MB} (grpc counts a "
