@@ -463,15 +463,22 @@ def test_an_empty_replica_string_is_refused(tmp_path: Path, key: str) -> None:
             "outlier_base_ejection_s = 90.0",
             "server.outlier_base_ejection_s: 90 is more than server.outlier_max_ejection_s (60)",
         ),
+        # a key is priority if listed there, else flex: its flex listing never applied
+        (
+            'priority_keys = "k1,k2"\nflex_keys = "k3, k2"',
+            "server.flex_keys: 1 key is in server.priority_keys too",
+        ),
     ],
 )
 def test_contradictory_server_settings_are_refused(tmp_path: Path, lines: str, needle: str) -> None:
-    """A lower bound above its upper bound: it would silently not apply."""
+    """A lower bound above its upper bound, or a key in two service classes: one setting
+    would silently not apply."""
     path = tmp_path / "c.toml"
     path.write_text(f"[server]\n{lines}\n")
     with pytest.raises(ConfigError) as info:
         load_settings(path, environ={})
     assert needle in str(info.value)
+    assert "k2" not in str(info.value)  # (client keys are never shown)
 
 
 def test_bounds_that_meet_load(tmp_path: Path) -> None:

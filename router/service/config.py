@@ -38,6 +38,7 @@ from router.service.config_models import model_settings
 from router.service.config_tables import merge, read_file, table_or_empty, typed
 from router.service.http_connection import MAX_HEAD_BYTES
 from router.service.replica_url import ReplicaUrl
+from router.service.security import read_api_keys
 from router.service.settings import (
     DEFAULT_POLICY,
     TUNED_KEYS,
@@ -136,6 +137,13 @@ def _check_server_ranges(server: ServerSettings) -> None:
                 f"server.{low}: {v:g} is more than server.{high} ({top:g}), its upper bound: "
                 f"it would never apply; lower it or raise {high}"
             )
+    # a key is priority if listed there, else flex (router/service/admission.py)
+    priority = set(read_api_keys(server.priority_keys, None))
+    if both := priority.intersection(read_api_keys(server.flex_keys, None)):
+        raise ConfigError(
+            f"server.flex_keys: {len(both)} key{'s are' if len(both) > 1 else ' is'} in "
+            "server.priority_keys too (not shown); a key has one service class"
+        )
     if server.grpc_max_message_mb >= MAX_MESSAGE_MB:
         raise ConfigError(
             f"server.grpc_max_message_mb: must be below {MAX_MESSAGE_MB} (grpc counts a "
