@@ -468,6 +468,11 @@ def test_an_empty_replica_string_is_refused(tmp_path: Path, key: str) -> None:
             'priority_keys = "k1,k2"\nflex_keys = "k3, k2"',
             "server.flex_keys: 1 key is in server.priority_keys too",
         ),
+        # probes are cut at 4 x the interval (a sweep waits for its slowest probe)
+        (
+            "health_interval_s = 0.5\nhealth_timeout_s = 3.0",
+            "server.health_timeout_s: 3 is more than 4 x server.health_interval_s (0.5)",
+        ),
     ],
 )
 def test_contradictory_server_settings_are_refused(tmp_path: Path, lines: str, needle: str) -> None:
@@ -481,8 +486,15 @@ def test_contradictory_server_settings_are_refused(tmp_path: Path, lines: str, n
     assert "k2" not in str(info.value)  # (client keys are never shown)
 
 
-def test_bounds_that_meet_load(tmp_path: Path) -> None:
-    """Equal bounds are a fixed deadline and ejection."""
+def test_bounds_that_meet_and_a_slow_health_probe_load(tmp_path: Path) -> None:
+    """Equal bounds are a fixed deadline and ejection; a probe timeout above the interval
+    (within 4 x) only delays the next sweep, which starts when the slow one ends; with
+    probes off (interval 0) the timeout is not read."""
     path = tmp_path / "c.toml"
-    path.write_text("[server]\nfirst_byte_min_s = 600.0\noutlier_base_ejection_s = 60.0\n")
-    assert load_settings(path, environ={}).server.first_byte_min_s == 600.0
+    path.write_text(
+        "[server]\nfirst_byte_min_s = 600.0\noutlier_base_ejection_s = 60.0\n"
+        "health_interval_s = 0.5\nhealth_timeout_s = 2.0\n"
+    )
+    assert load_settings(path, environ={}).server.health_timeout_s == 2.0
+    path.write_text("[server]\nhealth_interval_s = 0\nhealth_timeout_s = 30.0\n")
+    assert load_settings(path, environ={}).server.health_timeout_s == 30.0

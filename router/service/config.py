@@ -41,6 +41,7 @@ from router.service.replica_url import ReplicaUrl
 from router.service.security import read_api_keys
 from router.service.settings import (
     DEFAULT_POLICY,
+    HEALTH_TIMEOUT_INTERVALS,
     TUNED_KEYS,
     ZMQ_AUTO,
     ReplicaSettings,
@@ -137,6 +138,14 @@ def _check_server_ranges(server: ServerSettings) -> None:
                 f"server.{low}: {v:g} is more than server.{high} ({top:g}), its upper bound: "
                 f"it would never apply; lower it or raise {high}"
             )
+    interval, wait = server.health_interval_s, server.health_timeout_s
+    if interval > 0 and wait > HEALTH_TIMEOUT_INTERVALS * interval:
+        # (above the interval is fine: the next sweep starts when the slow one ends)
+        raise ConfigError(
+            f"server.health_timeout_s: {wait:g} is more than {HEALTH_TIMEOUT_INTERVALS} x "
+            f"server.health_interval_s ({interval:g}), where probes are cut (a sweep waits "
+            "for its slowest probe); lower it or probe less often"
+        )
     # a key is priority if listed there, else flex (router/service/admission.py)
     priority = set(read_api_keys(server.priority_keys, None))
     if both := priority.intersection(read_api_keys(server.flex_keys, None)):
