@@ -498,3 +498,15 @@ def test_bounds_that_meet_and_a_slow_health_probe_load(tmp_path: Path) -> None:
     assert load_settings(path, environ={}).server.health_timeout_s == 2.0
     path.write_text("[server]\nhealth_interval_s = 0\nhealth_timeout_s = 30.0\n")
     assert load_settings(path, environ={}).server.health_timeout_s == 30.0
+
+
+@pytest.mark.parametrize(
+    "key", ["tokenizer", "bpe_file", "pattern", "chat_template", "render_api_key", "render_url"]
+)
+def test_an_empty_model_string_is_refused(tmp_path: Path, key: str) -> None:
+    """``tokenizer = ""`` read the working directory as the model's, ``chat_template = ""``
+    and ``render_api_key = ""`` were values too: refused as the [server] strings are."""
+    path = tmp_path / "c.toml"
+    path.write_text(f'[models.m]\n{key} = ""\n')
+    with pytest.raises(ConfigError, match=f"^models.m.{key}: empty; remove the setting"):
+        load_settings(path, environ={})

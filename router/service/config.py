@@ -25,7 +25,7 @@ import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -35,7 +35,7 @@ from router.events.endpoints import engine_endpoints
 from router.rpc.settings import MAX_MESSAGE_MB
 from router.service.config_env import env_overrides
 from router.service.config_models import model_settings
-from router.service.config_tables import merge, read_file, table_or_empty, typed
+from router.service.config_tables import merge, read_file, refuse_empty, table_or_empty, typed
 from router.service.http_connection import MAX_HEAD_BYTES
 from router.service.replica_url import ReplicaUrl
 from router.service.security import read_api_keys
@@ -188,16 +188,6 @@ def _check_server_ranges(server: ServerSettings) -> None:
 _EMPTY_ALLOWED = ("api_keys",)
 
 
-def _refuse_empty(settings: ServerSettings | ReplicaSettings, where: str) -> None:
-    """ConfigError naming a string setting of ``settings`` that is "": never a value (an
-    empty ``api_keys_file`` or ``grpc_token`` would leave the router or its index open to
-    all, an empty ``host`` binds every interface, an empty ``zmq`` follows no events); a
-    setting is left out by not setting it."""
-    for f in fields(settings):
-        if f.name not in _EMPTY_ALLOWED and getattr(settings, f.name) == "":
-            raise ConfigError(f"{where}.{f.name}: empty; remove the setting or give a value")
-
-
 def _replica(i: int, table: Any) -> ReplicaSettings:
     """One ``[[replicas]]`` table; its url is checked by :class:`ReplicaUrl` and stored as
     ``http://host[:port]`` (scheme lower-case, no trailing ``/``): what the proxy expects."""
@@ -216,7 +206,7 @@ def _replica(i: int, table: Any) -> ReplicaSettings:
         raise ConfigError(f"{where}.name: must be a non-empty string (omit it: host:port)")
     name = url.netloc if table.get("name") is None else table["name"]  # typed: a str
     rep = typed(ReplicaSettings, {**table, "name": name}, where)
-    _refuse_empty(rep, where)
+    refuse_empty(rep, where)
     if not 1 <= rep.dp_ranks <= MAX_DP_RANKS:
         raise ConfigError(f"{where}.dp_ranks: must be in [1, {MAX_DP_RANKS}]")
     try:
@@ -273,7 +263,7 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
     if not isinstance(server_tab, Mapping):
         raise ConfigError("server: must be a table")
     server = typed(ServerSettings, server_tab, "server")
-    _refuse_empty(server, "server")
+    refuse_empty(server, "server", _EMPTY_ALLOWED)
     if server.redis_signing_master is not None:
         try:
             master_secret(server.redis_signing_master)

@@ -39,7 +39,7 @@ from router.core.errors import ConfigError
 from router.core.load import CostModel
 from router.core.policies import POLICIES, POLICY_NAMES, make_policy
 from router.core.routing_settings import BusyThresholds, RoutingSettings
-from router.service.config_tables import checked, table_or_empty, typed
+from router.service.config_tables import checked, refuse_empty, table_or_empty, typed
 from router.service.settings import ROUTING_KEYS, ModelSettings, SloSettings
 from router.tokenize.anthropic import DISABLED_THINKING_EFFORT_OPTIONS
 from router.tokenize.content_format import CONTENT_FORMAT_OPTIONS
@@ -177,6 +177,7 @@ def model_settings(name: str, table: Any) -> ModelSettings:
             raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(known))})")
     rest = {k: v for k, v in table.items() if k not in skip}
     model = typed(ModelSettings, {**rest, "name": name}, where)
+    refuse_empty(model, where)
     if model.chat_template_content_format not in CONTENT_FORMAT_OPTIONS:
         raise ConfigError(
             f"{where}.chat_template_content_format: {model.chat_template_content_format!r} is "
