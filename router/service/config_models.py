@@ -151,8 +151,13 @@ def model_settings(name: str, table: Any) -> ModelSettings:
         value = getattr(routing, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"{where}.{key}: expected a non-negative integer")
-    if not routing.reuse_window_s > 0:
-        raise ConfigError(f"{where}.reuse_window_s: expected a positive number of seconds")
+    if not 0 < (window := routing.reuse_window_s) < math.inf:
+        # (inf: exp(-horizon / inf) = 1, every evicting cache a certain loss, whatever its
+        # horizon, and none when all are full: router/core/turnover.py)
+        raise ConfigError(
+            f"{where}.reuse_window_s: expected a positive number of seconds (finite), "
+            f"got {window!r}"
+        )
     _check_model_ranges(routing, where)
     if routing.block_size <= 0:
         raise ConfigError(f"{where}.block_size: must be positive")
