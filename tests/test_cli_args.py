@@ -79,6 +79,12 @@ def test_bench_flags_out_of_range_are_usage_errors(
         (["mock-replica", "--port", "-1"], "--port"),  # OverflowError from bind()
         (["mock-replica", "--block-size", "0"], "--block-size"),  # ZeroDivisionError
         (["mock-replica", "--engine-block-size", "-1"], "--engine-block-size"),  # served
+        (["mock-replica", "--kv-blocks", "-5"], "--kv-blocks"),  # a cache of no blocks
+        (["mock-replica", "--kv-blocks", "0"], "--kv-blocks"),
+        (["mock-replica", "--cpu-blocks", "-1"], "--cpu-blocks"),
+        (["mock-replica", "--default-max-tokens", "0"], "--default-max-tokens"),
+        (["mock-replica", "--default-max-tokens", "-3"], "--default-max-tokens"),
+        (["mock-replica", "--fault-retry-after", "-1"], "--fault-retry-after"),  # sent as is
     ],
 )
 def test_demo_and_mock_flags_out_of_range_are_usage_errors(
@@ -99,6 +105,12 @@ def test_valid_values_still_parse() -> None:
     args = build_parser("bench").parse_args(["bench", "store", "--shared-fraction", "1"])
     assert args.shared_fraction == 1.0 and args.cluster == 0
     args = build_parser("mock-replica").parse_args(["mock-replica", "--port", "0"])
-    assert args.port == 0
+    assert args.port == 0 and args.kv_blocks is None and args.cpu_blocks is None
+    args = build_parser("mock-replica").parse_args(
+        ["mock-replica", "--kv-blocks", "1", "--cpu-blocks", "0", "--default-max-tokens", "1"]
+        + ["--fault-retry-after", "0"]
+    )
+    assert (args.kv_blocks, args.cpu_blocks, args.default_max_tokens) == (1, 0, 1)
+    assert args.fault_retry_after == 0
     args = build_parser("bench").parse_args(["bench", "live", "--sim-samples", "0"])
     assert args.sim_samples == 0 and args.requests is None

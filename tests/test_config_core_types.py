@@ -25,6 +25,12 @@ from router.service.config import build_settings
         ({"reuse_window_s": "5m"}, "models.m.reuse_window_s: expected float"),
         ({"reuse_window_s": 0}, "models.m.reuse_window_s: expected a positive number"),
         ({"reuse_window_s": float("nan")}, "models.m.reuse_window_s: expected a positive number"),
+        # exp(-horizon / inf) = 1: every evicting cache a certain loss whatever its horizon,
+        # and with all caches full, turnover priced at nothing (sim --reuse-window-s refuses it)
+        (
+            {"reuse_window_s": float("inf")},
+            "models.m.reuse_window_s: expected a positive number of seconds (finite), got inf",
+        ),
     ],
 )
 def test_wrong_types_for_core_settings_name_the_key(table: dict[str, Any], needle: str) -> None:

@@ -172,3 +172,14 @@ def test_pd_docs_name_every_pd_setting_with_its_default() -> None:
         assert _same(table[key], default), f"pd.{key}: docs {table[key]!r}, code {default!r}"
     for key in _defaults(LinkModel):
         assert re.search(rf"^#.*\b{key}\b", block, re.M), f"pd.{key} undocumented in docs/pd.md"
+
+
+@pytest.mark.parametrize(
+    "key", ["header_timeout_s", "body_timeout_s", "keep_alive_timeout_s", "send_timeout_s"]
+)
+def test_reference_block_says_a_zero_front_timeout_is_off(key: str) -> None:
+    """0 turns each client-connection timeout off (router/service/fast_server.py and
+    http_connection.py: no deadline set); the reference line says so."""
+    text = (ROOT / "docs/configuration.md").read_text(encoding="utf-8")
+    line = next(x for x in text.splitlines() if x.startswith(f"{key} = "))
+    assert "0: off" in line, line

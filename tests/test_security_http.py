@@ -227,3 +227,38 @@ async def test_the_publishers_log_shows_no_part_of_a_redis_password(
         assert "publishing a" in log, log[-2000:]
         assert "tail-of-pw" not in log and "s3cret" not in log, log[-2000:]
         pub.stop()
+
+
+def test_redaction_keeps_the_routers_own_messages() -> None:
+    """A configuration error names its key and problem ("server.grpc_token: empty; ..."): the
+    key=value pattern leaves the problem after a setting's name and ``: `` alone (the router
+    never shows a secret setting's value), as a literal secret never masks a setting's name;
+    a blank or short secret masks nothing; ``token=VALUE`` outside such a name stays masked."""
+    empty = "server.grpc_token: empty; remove the setting or give a value"
+    assert redact(empty) == empty
+    env = "KVROUTER_SERVER__ADMIN_TOKEN: empty; unset it to leave server.admin_token as configured"
+    assert redact(env) == env
+    model = "models.org/m-1.5.render_api_key: empty; remove the setting or give a value"
+    assert redact(model) == model
+    bearer = "server.admin_token: the admin routes take it as a bearer token, where clients"
+    assert redact(bearer) == bearer
+    # admin_token = "token", grpc_token = "    ": the names and the indentation stay
+    traceback = "server.grpc_token: must differ\n    line 1"
+    assert redact(traceback, ["token", "    ", " "]) == traceback
+    assert redact("x token y", ["token"]) == "x *** y"
+    assert redact("server.admin_token=abc9 grpc_token: xyz8") == (
+        "server.admin_token=*** grpc_token: ***"
+    )
+    assert redact("Authorization: Bearer token9x") == "Authorization: Bearer ***"
+
+
+def test_serve_prints_a_configuration_error_whole(tmp_path: Path) -> None:
+    """``serve`` redacts its configuration error (a URL's password) without masking the
+    problem it names."""
+    from tests.inprocess import kvrouter
+
+    config = tmp_path / "router.toml"
+    config.write_text('[server]\ngrpc_token = ""\n')
+    done = kvrouter("serve", "--config", str(config), "--check")
+    assert done.returncode == 2, done
+    assert "server.grpc_token: empty; remove the setting" in done.stderr, done.stderr

@@ -448,3 +448,65 @@ def test_an_empty_replica_string_is_refused(tmp_path: Path, key: str) -> None:
     path.write_text(f'[[replicas]]\nurl = "http://10.0.0.1:8000"\nmodel = "m"\n{key} = ""\n')
     with pytest.raises(ConfigError, match=f"replicas\\[0\\].{key}: empty"):
         load_settings(path, environ={})
+
+
+@pytest.mark.parametrize(
+    ("lines", "needle"),
+    [
+        # the deadline is min(max(min_s, factor x predicted), timeout_s): min_s never applied
+        (
+            "first_byte_min_s = 700.0",
+            "server.first_byte_min_s: 700 is more than server.first_byte_timeout_s (600)",
+        ),
+        # the n-th ejection lasts min(n x base, max): every one max, the growth gone
+        (
+            "outlier_base_ejection_s = 90.0",
+            "server.outlier_base_ejection_s: 90 is more than server.outlier_max_ejection_s (60)",
+        ),
+        # a key is priority if listed there, else flex: its flex listing never applied
+        (
+            'priority_keys = "k1,k2"\nflex_keys = "k3, k2"',
+            "server.flex_keys: 1 key is in server.priority_keys too",
+        ),
+        # probes are cut at 4 x the interval (a sweep waits for its slowest probe)
+        (
+            "health_interval_s = 0.5\nhealth_timeout_s = 3.0",
+            "server.health_timeout_s: 3 is more than 4 x server.health_interval_s (0.5)",
+        ),
+    ],
+)
+def test_contradictory_server_settings_are_refused(tmp_path: Path, lines: str, needle: str) -> None:
+    """A lower bound above its upper bound, or a key in two service classes: one setting
+    would silently not apply."""
+    path = tmp_path / "c.toml"
+    path.write_text(f"[server]\n{lines}\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    assert needle in str(info.value)
+    assert "k2" not in str(info.value)  # (client keys are never shown)
+
+
+def test_bounds_that_meet_and_a_slow_health_probe_load(tmp_path: Path) -> None:
+    """Equal bounds are a fixed deadline and ejection; a probe timeout above the interval
+    (within 4 x) only delays the next sweep, which starts when the slow one ends; with
+    probes off (interval 0) the timeout is not read."""
+    path = tmp_path / "c.toml"
+    path.write_text(
+        "[server]\nfirst_byte_min_s = 600.0\noutlier_base_ejection_s = 60.0\n"
+        "health_interval_s = 0.5\nhealth_timeout_s = 2.0\n"
+    )
+    assert load_settings(path, environ={}).server.health_timeout_s == 2.0
+    path.write_text("[server]\nhealth_interval_s = 0\nhealth_timeout_s = 30.0\n")
+    assert load_settings(path, environ={}).server.health_timeout_s == 30.0
+
+
+@pytest.mark.parametrize(
+    "key", ["tokenizer", "bpe_file", "pattern", "chat_template", "render_api_key", "render_url"]
+)
+def test_an_empty_model_string_is_refused(tmp_path: Path, key: str) -> None:
+    """``tokenizer = ""`` read the working directory as the model's, ``chat_template = ""``
+    and ``render_api_key = ""`` were values too: refused as the [server] strings are."""
+    path = tmp_path / "c.toml"
+    path.write_text(f'[models.m]\n{key} = ""\n')
+    with pytest.raises(ConfigError, match=f"^models.m.{key}: empty; remove the setting"):
+        load_settings(path, environ={})

@@ -91,8 +91,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--block-size", type=at_least(1), default=64, help="router (canonical) block size"
     )
     p.add_argument("--engine-block-size", type=at_least(1), default=16, help="block size in events")
-    p.add_argument("--kv-blocks", type=int, default=None, help="override GPU KV capacity")
-    p.add_argument("--cpu-blocks", type=int, default=None, help="override host-tier capacity")
+    p.add_argument("--kv-blocks", type=at_least(1), default=None, help="override GPU KV capacity")
+    p.add_argument(
+        "--cpu-blocks", type=at_least(0), default=None, help="override host-tier capacity (0: none)"
+    )
     p.add_argument("--zmq", default="", help="bind KV-event PUB here, e.g. tcp://*:5557")
     p.add_argument("--replay", default="", help="bind the replay ROUTER here, e.g. tcp://*:5558")
     p.add_argument(
@@ -119,7 +121,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--image-token", default="", help="with --tokenizer: the placeholder token repeated"
     )
-    p.add_argument("--default-max-tokens", type=int, default=16)
+    p.add_argument(
+        "--default-max-tokens",
+        type=at_least(1),
+        default=16,
+        help="output tokens of a request that names no limit",
+    )
     p.add_argument(
         "--scheduling-policy",
         choices=("fcfs", "priority"),
@@ -144,6 +151,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "with POST /admin/fault",
     )
     p.add_argument("--fault-rate", type=fraction, default=1.0, help="share of requests faulted")
-    p.add_argument("--fault-retry-after", type=int, default=1, help="Retry-After of 429 / 503")
+    p.add_argument(
+        "--fault-retry-after", type=at_least(0), default=1, help="Retry-After of 429 / 503"
+    )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(handler=run)

@@ -24,7 +24,7 @@ from router.service.engine_sources import REPORT_STALE_INTERVALS
 from router.service.keys import DIRECT_EVENTS, FORWARDER, INDEX_SYNC, SESSION, SETTINGS, STATE
 from router.service.proxy import Forwarder
 from router.service.render import EngineRenderer, render_targets
-from router.service.settings import ZMQ_AUTO, ReplicaSettings
+from router.service.settings import HEALTH_TIMEOUT_INTERVALS, ZMQ_AUTO, ReplicaSettings
 from router.service.upstream import Client, Timeouts
 
 if TYPE_CHECKING:
@@ -138,7 +138,7 @@ async def _probe_health(
     ``/health`` (once per URL: all DP ranks of a replica share it) and mark its keys healthy
     or unhealthy; a probe unanswered after ``wait`` seconds fails."""
     state = app[STATE]
-    timeout = aiohttp.ClientTimeout(total=max(min(wait, every * 4), 0.05))
+    timeout = aiohttp.ClientTimeout(total=max(min(wait, every * HEALTH_TIMEOUT_INTERVALS), 0.05))
     loop = asyncio.get_running_loop()
     limit = asyncio.Semaphore(HEALTH_PROBES_AT_ONCE)
 

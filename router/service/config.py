@@ -25,7 +25,7 @@ import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -35,11 +35,13 @@ from router.events.endpoints import engine_endpoints
 from router.rpc.settings import MAX_MESSAGE_MB
 from router.service.config_env import env_overrides
 from router.service.config_models import model_settings
-from router.service.config_tables import merge, read_file, table_or_empty, typed
+from router.service.config_tables import merge, read_file, refuse_empty, table_or_empty, typed
 from router.service.http_connection import MAX_HEAD_BYTES
 from router.service.replica_url import ReplicaUrl
+from router.service.security import read_api_keys
 from router.service.settings import (
     DEFAULT_POLICY,
+    HEALTH_TIMEOUT_INTERVALS,
     TUNED_KEYS,
     ZMQ_AUTO,
     ReplicaSettings,
@@ -125,6 +127,32 @@ def _check_server_ranges(server: ServerSettings) -> None:
     for name in _SHARES:
         if not 0 <= (v := getattr(server, name)) <= 1:
             raise ConfigError(f"server.{name}: must be in [0, 1], got {v!r}")
+    for low, high in (
+        # the first-byte deadline: first_byte_factor x predicted, within [min, timeout]
+        ("first_byte_min_s", "first_byte_timeout_s"),
+        # the n-th ejection in a row: n x base, at most max
+        ("outlier_base_ejection_s", "outlier_max_ejection_s"),
+    ):
+        if (v := getattr(server, low)) > (top := getattr(server, high)):
+            raise ConfigError(
+                f"server.{low}: {v:g} is more than server.{high} ({top:g}), its upper bound: "
+                f"it would never apply; lower it or raise {high}"
+            )
+    interval, wait = server.health_interval_s, server.health_timeout_s
+    if interval > 0 and wait > HEALTH_TIMEOUT_INTERVALS * interval:
+        # (above the interval is fine: the next sweep starts when the slow one ends)
+        raise ConfigError(
+            f"server.health_timeout_s: {wait:g} is more than {HEALTH_TIMEOUT_INTERVALS} x "
+            f"server.health_interval_s ({interval:g}), where probes are cut (a sweep waits "
+            "for its slowest probe); lower it or probe less often"
+        )
+    # a key is priority if listed there, else flex (router/service/admission.py)
+    priority = set(read_api_keys(server.priority_keys, None))
+    if both := priority.intersection(read_api_keys(server.flex_keys, None)):
+        raise ConfigError(
+            f"server.flex_keys: {len(both)} key{'s are' if len(both) > 1 else ' is'} in "
+            "server.priority_keys too (not shown); a key has one service class"
+        )
     if server.grpc_max_message_mb >= MAX_MESSAGE_MB:
         raise ConfigError(
             f"server.grpc_max_message_mb: must be below {MAX_MESSAGE_MB} (grpc counts a "
@@ -160,16 +188,6 @@ def _check_server_ranges(server: ServerSettings) -> None:
 _EMPTY_ALLOWED = ("api_keys",)
 
 
-def _refuse_empty(settings: ServerSettings | ReplicaSettings, where: str) -> None:
-    """ConfigError naming a string setting of ``settings`` that is "": never a value (an
-    empty ``api_keys_file`` or ``grpc_token`` would leave the router or its index open to
-    all, an empty ``host`` binds every interface, an empty ``zmq`` follows no events); a
-    setting is left out by not setting it."""
-    for f in fields(settings):
-        if f.name not in _EMPTY_ALLOWED and getattr(settings, f.name) == "":
-            raise ConfigError(f"{where}.{f.name}: empty; remove the setting or give a value")
-
-
 def _replica(i: int, table: Any) -> ReplicaSettings:
     """One ``[[replicas]]`` table; its url is checked by :class:`ReplicaUrl` and stored as
     ``http://host[:port]`` (scheme lower-case, no trailing ``/``): what the proxy expects."""
@@ -188,7 +206,7 @@ def _replica(i: int, table: Any) -> ReplicaSettings:
         raise ConfigError(f"{where}.name: must be a non-empty string (omit it: host:port)")
     name = url.netloc if table.get("name") is None else table["name"]  # typed: a str
     rep = typed(ReplicaSettings, {**table, "name": name}, where)
-    _refuse_empty(rep, where)
+    refuse_empty(rep, where)
     if not 1 <= rep.dp_ranks <= MAX_DP_RANKS:
         raise ConfigError(f"{where}.dp_ranks: must be in [1, {MAX_DP_RANKS}]")
     try:
@@ -245,7 +263,7 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
     if not isinstance(server_tab, Mapping):
         raise ConfigError("server: must be a table")
     server = typed(ServerSettings, server_tab, "server")
-    _refuse_empty(server, "server")
+    refuse_empty(server, "server", _EMPTY_ALLOWED)
     if server.redis_signing_master is not None:
         try:
             master_secret(server.redis_signing_master)

@@ -39,7 +39,7 @@ from router.core.errors import ConfigError
 from router.core.load import CostModel
 from router.core.policies import POLICIES, POLICY_NAMES, make_policy
 from router.core.routing_settings import BusyThresholds, RoutingSettings
-from router.service.config_tables import checked, table_or_empty, typed
+from router.service.config_tables import checked, refuse_empty, table_or_empty, typed
 from router.service.settings import ROUTING_KEYS, ModelSettings, SloSettings
 from router.tokenize.anthropic import DISABLED_THINKING_EFFORT_OPTIONS
 from router.tokenize.content_format import CONTENT_FORMAT_OPTIONS
@@ -151,8 +151,13 @@ def model_settings(name: str, table: Any) -> ModelSettings:
         value = getattr(routing, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"{where}.{key}: expected a non-negative integer")
-    if not routing.reuse_window_s > 0:
-        raise ConfigError(f"{where}.reuse_window_s: expected a positive number of seconds")
+    if not 0 < (window := routing.reuse_window_s) < math.inf:
+        # (inf: exp(-horizon / inf) = 1, every evicting cache a certain loss, whatever its
+        # horizon, and none when all are full: router/core/turnover.py)
+        raise ConfigError(
+            f"{where}.reuse_window_s: expected a positive number of seconds (finite), "
+            f"got {window!r}"
+        )
     _check_model_ranges(routing, where)
     if routing.block_size <= 0:
         raise ConfigError(f"{where}.block_size: must be positive")
@@ -177,6 +182,7 @@ def model_settings(name: str, table: Any) -> ModelSettings:
             raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(known))})")
     rest = {k: v for k, v in table.items() if k not in skip}
     model = typed(ModelSettings, {**rest, "name": name}, where)
+    refuse_empty(model, where)
     if model.chat_template_content_format not in CONTENT_FORMAT_OPTIONS:
         raise ConfigError(
             f"{where}.chat_template_content_format: {model.chat_template_content_format!r} is "

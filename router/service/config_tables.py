@@ -76,6 +76,17 @@ def table_or_empty(value: Any) -> Any:
     return {} if value is None else value
 
 
+def refuse_empty(settings: DataclassInstance, where: str, allowed: Sequence[str] = ()) -> None:
+    """ConfigError naming a string setting of ``settings`` that is "" (but those ``allowed``):
+    never a value (an empty ``api_keys_file`` or ``grpc_token`` would leave the router or
+    its index open to all, an empty ``host`` binds every interface, an empty ``zmq`` follows
+    no events, an empty ``tokenizer`` reads the working directory); a setting is left out
+    by not setting it."""
+    for f in fields(settings):
+        if f.name not in allowed and getattr(settings, f.name) == "":
+            raise ConfigError(f"{where}.{f.name}: empty; remove the setting or give a value")
+
+
 def typed(
     cls: type[_Table], table: Mapping[str, Any], where: str, skip: Sequence[str] = ()
 ) -> _Table:

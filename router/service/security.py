@@ -132,33 +132,61 @@ _PATTERNS = (
     # scheme://user:password@host -> scheme://user:***@host; the host follows the last "@"
     # (as urllib and redis-py read a URL): a password may hold one
     (re.compile(r"([a-z][a-z0-9+.-]*://[^:/@\s]*:)[^\s/]+@", re.I), r"\1***@"),
-    (re.compile(r"(bearer\s+)[^\s,;'\"]+", re.I), r"\1***"),
+    # (not the word after "bearer" in prose: "a bearer token")
+    (re.compile(r"(bearer\s+)(?!tokens?\b)[^\s,;'\"]+", re.I), r"\1***"),
     # an Authorization field's Basic credential (user:password in base64): as good as the
     # password; the word alone ("a basic setup") is left
     (
         re.compile(r"(authorization['\"]?\s*[:=]\s*['\"]?basic\s+)[^\s,;'\"]+", re.I),
         r"\1***",
     ),
-    (
-        re.compile(
-            r"((?:api[-_]?key|x-admin-token|admin[-_]token|password|requirepass|token)"
-            r"['\"]?\s*[:=]\s*['\"]?)[^\s,;'\"}]+",
-            re.I,
-        ),
-        r"\1***",
-    ),
 )
+# ``key=value`` / ``key: value`` pairs named like secrets
+_KEY_VALUE = re.compile(
+    r"((?:api[-_]?key|x-admin-token|admin[-_]token|password|requirepass|token)"
+    r"['\"]?\s*[:=]\s*['\"]?)[^\s,;'\"}]+",
+    re.I,
+)
+# A setting's name as the router's messages start a problem with it ("server.grpc_token:
+# empty; ...", "models.NAME.render_api_key: ...", "KVROUTER_SERVER__ADMIN_TOKEN: ..."): what
+# follows its ": " is the router's own text, never a secret setting's value (those are never
+# shown: router/service/config_tables.py checked), and the name itself is never masked
+_SETTING_NAME = re.compile(
+    r"(?<![\w.\[\]/-])"
+    r"(?:(?:server|replicas\[\d+\]|models\.[^\s:]+?)\.[a-z_]\w*|KVROUTER_\w+)(?=:)"
+)
+# a literal secret shorter than this (blanks aside) is not masked: it would garble the text
+# around it (a one-letter token, a token of spaces masking indentation) and hides little
+_MIN_SECRET = 4
 
 
 def redact(text: str, secrets: Iterable[str] = ()) -> str:
     """``text`` with credentials masked: URL passwords, Bearer and Basic credentials,
-    ``key=value`` pairs named like secrets, and any literal in ``secrets``."""
+    ``key=value`` pairs named like secrets, and any literal in ``secrets`` (at least
+    ``_MIN_SECRET`` characters besides blanks) - but never a setting's name, nor the problem
+    the router's message gives after it (:data:`_SETTING_NAME`)."""
     for pattern, repl in _PATTERNS:
         text = pattern.sub(repl, text)
-    for secret in secrets:
-        if secret and len(secret) >= 4:
-            text = text.replace(secret, "***")
+    names = [m.span() for m in _SETTING_NAME.finditer(text)]
+    # a pair whose key is the end of a setting's name: the router's "name: problem"
+    text = _KEY_VALUE.sub(
+        lambda m: m.group(0) if _within(names, m.start(), m.start() + 1) else m.group(1) + "***",
+        text,
+    )
+    literal = sorted({s for s in secrets if len(s.strip()) >= _MIN_SECRET}, key=len, reverse=True)
+    if literal:
+        names = [m.span() for m in _SETTING_NAME.finditer(text)]
+        text = re.sub(
+            "|".join(map(re.escape, literal)),
+            lambda m: m.group(0) if _within(names, *m.span()) else "***",
+            text,
+        )
     return text
+
+
+def _within(spans: list[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether ``[start, end)`` lies inside one of ``spans``."""
+    return any(a <= start and end <= b for a, b in spans)
 
 
 class RedactingFilter(logging.Filter):

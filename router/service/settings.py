@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 
 ZMQ_AUTO = "auto"  # ReplicaSettings.zmq: the replica says where it publishes
+# a health probe waits at most this many health_interval_s (a sweep ends with its slowest
+# probe, and the next starts after it: one hung replica must not hold the others' probes)
+HEALTH_TIMEOUT_INTERVALS = 4
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,7 +53,8 @@ class ServerSettings:
     retry_after_s: int = 1
     unhealthy_cooldown_s: float = 5.0
     health_interval_s: float = 1.0  # active probes of replicas' /health; 0: none
-    health_timeout_s: float = 1.0  # a probe unanswered this long marks the replica down
+    # a probe unanswered this long marks the replica down; <= HEALTH_TIMEOUT_INTERVALS x interval
+    health_timeout_s: float = 1.0
     # reliability (router/service/retry.py, router/core/outliers.py, docs/operations.md)
     first_byte_min_s: float = 10.0  # the first-byte deadline: factor x predicted, >= this
     first_byte_factor: float = 4.0  # ... and <= first_byte_timeout_s
