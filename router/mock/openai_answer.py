@@ -116,6 +116,7 @@ class Answer:
     decode: lp.Decode
     fingerprint: str | None = None
     with_logprobs: bool = False
+    top_logprobs: int = 1  # the candidates listed a position (logprobs.top_shown)
     echo_logprobs: bool = False
     include_usage: bool = False
     continuous: bool = False
@@ -181,8 +182,8 @@ class Answer:
         if not self.with_logprobs:
             return None
         if self.echo_logprobs:
-            return lp.echoed(prompt_ids, self.decode, words)
-        return lp.sampled(words, self.chat)
+            return lp.echoed(prompt_ids, self.decode, words, self.top_logprobs)
+        return lp.sampled(words, self.chat, top=self.top_logprobs)
 
     def choice(
         self,
@@ -262,10 +263,10 @@ class ChoiceStream:
         logprobs = None
         if a.with_logprobs and words:
             if first and a.echo_logprobs:
-                logprobs = lp.echoed(self.prompt_ids, a.decode, words)
+                logprobs = lp.echoed(self.prompt_ids, a.decode, words, a.top_logprobs)
                 self.offset += len("".join(logprobs["tokens"]))
             else:
-                logprobs = lp.sampled(words, a.chat, self.offset)
+                logprobs = lp.sampled(words, a.chat, self.offset, a.top_logprobs)
                 self.offset += len(text)
         if first:
             text = self.echo + text
