@@ -93,3 +93,68 @@ async def test_streamed_chat_top_logprobs_match_the_answer(post: Callable[..., A
         for entry in ((choice.get("logprobs") or {}).get("content") or [])
     ]
     assert counts == [2, 2]
+
+
+# vLLM's engine (SamplingParams._validate_logprobs, run when the engine takes the request)
+# refuses more logprobs than --max-logprobs (20 by default): a 400 naming the parameter, or,
+# on a stream (opened before the engine takes the request), its error event then [DONE]
+OVER = [
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}),
+    ("/v1/completions", {"prompt": "abc", "logprobs": 21}),
+    ("/v1/completions", {"prompt": "abc", "logprobs": 21, "n": 2}),
+]
+
+
+def _over_error(value: int, param: str = "logprobs", kind: str = "sample") -> dict[str, Any]:
+    message = (
+        f"Requested {kind} logprobs of {value}, which is greater than max allowed: 20 "
+        f"(parameter={param}, value={value})"
+    )
+    return {"message": message, "type": "BadRequestError", "param": param, "code": 400}
+
+
+@pytest.mark.parametrize(("path", "body"), OVER)
+async def test_more_logprobs_than_the_max_are_refused(
+    post: Callable[..., Any], path: str, body: dict[str, Any]
+) -> None:
+    answer = await post(path, {**body, "max_tokens": 2}, status=400)
+    assert answer == {"error": _over_error(21)}
+
+
+@pytest.mark.parametrize(("path", "body"), OVER)
+async def test_a_stream_asking_too_many_logprobs_ends_with_the_error(
+    post: Callable[..., Any], path: str, body: dict[str, Any]
+) -> None:
+    text = await post(path, {**body, "max_tokens": 2, "stream": True})
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) == 2
+    assert json.loads(events[0]) == {"error": _over_error(21)}
+
+
+async def test_too_many_prompt_logprobs_are_refused(post: Callable[..., Any]) -> None:
+    body = {"prompt": "abc", "max_tokens": 2, "prompt_logprobs": 25}
+    answer = await post("/v1/completions", body, status=400)
+    assert answer == {"error": _over_error(25, "prompt_logprobs", "prompt")}
+
+
+async def test_the_max_itself_is_served(post: Callable[..., Any]) -> None:
+    body = {"messages": CHAT, "max_tokens": 1, "logprobs": True, "top_logprobs": 20}
+    answer = await post("/v1/chat/completions", body)
+    assert len(answer["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": -1}),
+        ("/v1/completions", {"prompt": "abc", "logprobs": -1}),
+    ],
+)
+async def test_all_of_the_vocabulary_is_more_than_the_max(
+    post: Callable[..., Any], path: str, body: dict[str, Any]
+) -> None:
+    """vLLM reads -1 as the vocabulary's size, above its default max (the mock, without a
+    model vocabulary, names it -1)."""
+    answer = await post(path, {**body, "max_tokens": 2}, status=400)
+    assert answer["error"]["param"] == "logprobs"
+    assert "greater than max allowed: 20" in answer["error"]["message"]

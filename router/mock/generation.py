@@ -96,6 +96,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     responses = kind == "responses"
     fail = anthropic.error if messages else _error
 
+    body: dict[str, Any] = {}
     try:
         state, body = await _read(request)
         if pd.refused_first(body, kind):
@@ -118,6 +119,17 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     except ModelNotServed as exc:
         request.app[STATE].counters.bad_requests += 1
         return fail(404, str(exc)) if messages else _error(404, str(exc), param="model")
+    except sampling.EngineRefused as exc:  # vLLM's engine refuses it once a stream is open
+        request.app[STATE].counters.bad_requests += 1
+        if body.get("stream") is not True:
+            return _error(400, str(exc), param=exc.param)
+        refusal = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await refusal.prepare(request)
+        await refusal.write(oa.stream_error(str(exc), exc.param))
+        await refusal.write_eof()
+        return refusal
     except BadRequest as exc:
         request.app[STATE].counters.bad_requests += 1
         if isinstance(exc, sampling.Refused) and not messages:

@@ -94,10 +94,11 @@ def running_usage(prompt: int, produced: int, cached: int | None = None) -> dict
     return used
 
 
-def stream_error(reason: str) -> bytes:
-    """An opened stream's ending when the engine refuses a sequence: the error, ``[DONE]``."""
+def stream_error(reason: str, param: str | None = None) -> bytes:
+    """An opened stream's ending when the engine refuses a sequence: the error (naming the
+    ``param`` refused), ``[DONE]``."""
     error: dict[str, Any] = {"message": reason, "type": "BadRequestError"}
-    error |= {"param": None, "code": 400}
+    error |= {"param": param, "code": 400}
     return sse({"error": error}) + DONE
 
 

@@ -127,6 +127,7 @@ def engine_request(state: MockState, body: dict[str, Any], kind: str) -> tuple[A
         priority=priority(body),
     )
     sampling.check(body, kind, req.max_output_tokens)  # vLLM's SamplingParams, built here
+    sampling.check_engine(body, kind, state.settings.max_logprobs)  # and the engine's checks
     return req, tokens
 
 
