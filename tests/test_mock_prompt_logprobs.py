@@ -8,6 +8,7 @@ message has the role answered. Every answer is read by vLLM's own response model
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -24,13 +25,15 @@ async def post() -> AsyncIterator[Callable[..., Any]]:
     runner, url = await start_mock(MockSettings(model="m", block_size=16))
     session = aiohttp.ClientSession()
 
-    async def send(path: str, body: dict[str, Any] | None = None, status: int = 200) -> Any:
+    async def send(
+        path: str, body: dict[str, Any] | None = None, status: int = 200, raw: bool = False
+    ) -> Any:
         if body is None:  # a GET of a text page
             async with session.get(f"{url}{path}") as r:
                 return await r.text()
         async with session.post(f"{url}{path}", json={"model": "m", **body}) as r:
             assert r.status == status, await r.text()
-            return await r.json()
+            return await (r.text() if raw else r.json())
 
     yield send
     await session.close()
@@ -146,3 +149,28 @@ async def test_a_request_reading_no_cache_is_no_prefix_cache_query(
     hits = looked_up["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert hits > 0
     assert metric_sample(page, "vllm:prefix_cache_hits_total", **labels) == hits
+
+
+async def test_without_a_generation_prompt_the_answer_has_the_last_messages_role(
+    post: Callable[..., Any],
+) -> None:
+    """vLLM's ``get_chat_request_role``: the last message's role when
+    ``add_generation_prompt`` is false, in the answer's message and a stream's role chunk."""
+    _, chat = _models()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Once"}]
+    body = {"messages": messages, "max_tokens": 2, "add_generation_prompt": False}
+    answer = await post("/v1/chat/completions", body)
+    chat.model_validate(answer)
+    assert answer["choices"][0]["message"]["role"] == "user"
+    for n in (1, 2):
+        text = await post("/v1/chat/completions", {**body, "n": n, "stream": True}, raw=True)
+        roles = [
+            choice["delta"]["role"]
+            for line in text.splitlines()
+            if line.startswith("data: {")
+            for choice in json.loads(line[6:])["choices"]
+            if "role" in choice["delta"]
+        ]
+        assert roles == ["user"] * n
+    many = await post("/v1/chat/completions", {**body, "n": 2})
+    assert [c["message"]["role"] for c in many["choices"]] == ["user", "user"]

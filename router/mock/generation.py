@@ -166,6 +166,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         fingerprint=state.fingerprint,
         with_logprobs=with_logprobs,
         top_logprobs=lp.top_shown(body, chat),
+        role=lp.answered_role(body),
         # completions' logprobs with echo list the prompt's tokens first
         echo_logprobs=with_logprobs and not chat and lp.echoes(body),
         include_usage=bool(opts.get("include_usage")),

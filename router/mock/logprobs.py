@@ -139,16 +139,28 @@ def completion_echo(body: Mapping[str, Any], ids: Sequence[int], decode: Decode)
     return prompt if isinstance(prompt, str) else decode(ids)
 
 
-def chat_echo(body: Mapping[str, Any]) -> str:
-    """The text chat's ``echo`` repeats: the last message's content when its role is the
-    one answered (``assistant``, or the last message's own without a generation prompt)."""
+def _last_message(body: Mapping[str, Any]) -> dict[str, Any] | None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
-        return ""
-    last = messages[-1]
-    add_prompt = lax_bool(body.get("add_generation_prompt", True)) is not False
-    role = "assistant" if add_prompt else last.get("role")
-    if last.get("role") != role:
+        return None
+    return messages[-1]
+
+
+def answered_role(body: Mapping[str, Any]) -> str:
+    """The role chat answers with (vLLM's ``get_chat_request_role``): ``assistant``, or
+    without a generation prompt the last message's own."""
+    last = _last_message(body)
+    if lax_bool(body.get("add_generation_prompt", True)) is not False or last is None:
+        return "assistant"
+    role = last.get("role")
+    return role if isinstance(role, str) else "assistant"
+
+
+def chat_echo(body: Mapping[str, Any]) -> str:
+    """The text chat's ``echo`` repeats: the last message's content when its role is the
+    one answered (:func:`answered_role`)."""
+    last = _last_message(body)
+    if last is None or last.get("role") != answered_role(body):
         return ""
     content = last.get("content") or ""
     if isinstance(content, list):

@@ -167,6 +167,7 @@ async def serve(
         fingerprint=state.fingerprint,
         with_logprobs=with_logprobs,
         top_logprobs=lp.top_shown(body, chat),
+        role=lp.answered_role(body),
         echo_logprobs=with_logprobs and not chat and echoes,
         include_usage=bool(opts.get("include_usage")),
         continuous=bool(opts.get("include_usage") and opts.get("continuous_usage_stats")),

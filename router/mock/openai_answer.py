@@ -118,6 +118,7 @@ class Answer:
     fingerprint: str | None = None
     with_logprobs: bool = False
     top_logprobs: int = 1  # the candidates listed a position (logprobs.top_shown)
+    role: str = "assistant"  # chat's answering role (logprobs.answered_role)
     echo_logprobs: bool = False
     include_usage: bool = False
     continuous: bool = False
@@ -165,7 +166,7 @@ class Answer:
         """Chat's first chunks, before any token's: every choice's role (empty content),
         then its ``echo`` (vLLM's first output); ``prompt``, ``cached``: the first prompt's
         tokens and hit."""
-        deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+        deltas: list[dict[str, Any]] = [{"role": self.role, "content": ""}]
         deltas += [{"content": echo}] if echo else []
         out = b""
         for k, delta in enumerate(deltas):
@@ -197,7 +198,7 @@ class Answer:
         """A non-streamed choice as vLLM dumps it (``prompt_logprobs``: completions')."""
         choice: dict[str, Any]
         if self.chat:
-            message = {"role": "assistant", "content": text, "refusal": None, "audio": None}
+            message = {"role": self.role, "content": text, "refusal": None, "audio": None}
             message |= {"function_call": None, "reasoning": None}
             choice = {"index": index, "message": message, "logprobs": logprobs}
         else:
