@@ -174,3 +174,38 @@ async def test_without_a_generation_prompt_the_answer_has_the_last_messages_role
         assert roles == ["user"] * n
     many = await post("/v1/chat/completions", {**body, "n": 2})
     assert [c["message"]["role"] for c in many["choices"]] == ["user", "user"]
+
+
+async def test_echo_without_generation_answers_the_prompt_alone(
+    post: Callable[..., Any],
+) -> None:
+    """Completions' ``echo`` with ``max_tokens: 0`` (lm-eval's loglikelihood request): vLLM
+    runs the engine for one token (``echo_without_generation``) and answers the prompt's
+    text and, asked, its logprobs alone; the one token is counted in
+    ``completion_tokens`` (``len(output.token_ids)``), and it ends with ``length``."""
+    completion, _ = _models()
+    body = {"prompt": "hello", "max_tokens": 0, "echo": True, "logprobs": 1}
+    answer = await post("/v1/completions", body)
+    completion.model_validate(answer)
+    choice = answer["choices"][0]
+    assert choice["text"] == "hello" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == list("hello")
+    assert choice["logprobs"]["token_logprobs"] == [None, 0.0, 0.0, 0.0, 0.0]
+    assert answer["usage"]["prompt_tokens"] == 5 and answer["usage"]["completion_tokens"] == 1
+    plain = await post("/v1/completions", {**body, "logprobs": None, "n": 2})
+    assert [c["text"] for c in plain["choices"]] == ["hello", "hello"]
+    assert [c["logprobs"] for c in plain["choices"]] == [None, None]
+    opts = {"stream_options": {"include_usage": True}}
+    text = await post("/v1/completions", {**body, "stream": True, **opts}, raw=True)
+    chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    assert "".join(c["text"] for c in choices) == "hello"
+    assert [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]] == list("hello")
+    assert choices[-1]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 1
+
+
+async def test_no_output_without_echo_is_still_refused(post: Callable[..., Any]) -> None:
+    await post("/v1/completions", {"prompt": "hello", "max_tokens": 0}, status=400)
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0, "echo": True}
+    await post("/v1/chat/completions", body, status=400)

@@ -167,6 +167,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         with_logprobs=with_logprobs,
         top_logprobs=lp.top_shown(body, chat),
         role=lp.answered_role(body),
+        echo_only=lp.echo_only(body, kind),
         # completions' logprobs with echo list the prompt's tokens first
         echo_logprobs=with_logprobs and not chat and lp.echoes(body),
         include_usage=bool(opts.get("include_usage")),
@@ -319,7 +320,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         if ending:  # (an empty write ends the body)
             await response.write(ending)
         return await oa.end_stream(response, oai, usage if opts.get("include_usage") else None)
-    text = echo + "".join(words)
+    text = oai.text(echo, words)
     one = oai.choice(0, text, oai.logprobs(prompt_ids, words), finish_reason, prompt_logprobs)
     return web.json_response(oai.body([one], usage, prompt_logprobs, transfer))
 

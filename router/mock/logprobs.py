@@ -15,7 +15,8 @@ is asked and where it goes, as vLLM answers:
   ``prompt_logprobs``: the choice's on completions, the answer's on chat); refused on a
   stream, as vLLM's request validation refuses it;
 * completions' ``echo``: the prompt's text before the answer's, and with ``logprobs`` the
-  prompt's tokens before the answer's (``OpenAIServingCompletion``); chat's ``echo``: the
+  prompt's tokens before the answer's (``OpenAIServingCompletion``); with ``max_tokens: 0``
+  the prompt's alone (:func:`echo_only`); chat's ``echo``: the
   last message's content before the answer when that message has the role answered
   (``OpenAIServingChat``).
 """
@@ -72,6 +73,14 @@ def check(body: dict[str, Any], kind: str) -> bool:
 
 def echoes(body: Mapping[str, Any]) -> bool:
     return lax_bool(body.get("echo")) is True
+
+
+def echo_only(body: Mapping[str, Any], kind: str) -> bool:
+    """Completions' ``echo`` with ``max_tokens: 0`` (vLLM's ``echo_without_generation``):
+    the engine runs one token, and the answer is the prompt alone (its text and, asked, its
+    logprobs), the token counted in ``completion_tokens`` and ending it with ``length``."""
+    value = body.get("max_tokens")
+    return kind == "completion" and type(value) is int and value == 0 and echoes(body)
 
 
 def _chat_entry(token: str, logprob: float) -> dict[str, Any]:

@@ -119,6 +119,7 @@ class Answer:
     with_logprobs: bool = False
     top_logprobs: int = 1  # the candidates listed a position (logprobs.top_shown)
     role: str = "assistant"  # chat's answering role (logprobs.answered_role)
+    echo_only: bool = False  # the prompt's echo alone, no token shown (logprobs.echo_only)
     echo_logprobs: bool = False
     include_usage: bool = False
     continuous: bool = False
@@ -179,10 +180,17 @@ class Answer:
                 out += self.chunk(choice, used)
         return out
 
+    def text(self, echo: str, words: list[str]) -> str:
+        """A whole choice's text: its ``echo``, then its tokens' ``words`` (none shown with
+        ``echo_only``)."""
+        return echo if self.echo_only else echo + "".join(words)
+
     def logprobs(self, prompt_ids: list[int], words: list[str]) -> dict[str, Any] | None:
         """A whole choice's logprobs (None: not asked)."""
         if not self.with_logprobs:
             return None
+        if self.echo_only:
+            words = []
         if self.echo_logprobs:
             return lp.echoed(prompt_ids, self.decode, words, self.top_logprobs)
         return lp.sampled(words, self.chat, top=self.top_logprobs)
@@ -261,9 +269,11 @@ class ChoiceStream:
         a = self.answer
         first = not self.started
         self.started = True
+        if a.echo_only:
+            words = []
         text = "".join(words)
         logprobs = None
-        if a.with_logprobs and words:
+        if a.with_logprobs and (words or (first and a.echo_logprobs)):
             if first and a.echo_logprobs:
                 logprobs = lp.echoed(self.prompt_ids, a.decode, words, a.top_logprobs)
                 self.offset += len("".join(logprobs["tokens"]))

@@ -39,6 +39,8 @@ def max_tokens(body: Mapping[str, Any], settings: MockSettings, kind: str, promp
         value = body.get("max_output_tokens")  # the Responses API's
     if value is None:
         value = settings.default_max_tokens
+    elif lp.echo_only(body, kind):
+        return 1  # vLLM's echo_without_generation: the engine runs one token
     elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise BadRequest("'max_tokens' must be a positive integer")
     return max(1, min(value, settings.max_model_len - prompt))
