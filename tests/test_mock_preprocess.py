@@ -75,6 +75,12 @@ async def test_tokenize_and_detokenize_round_trip(mock: str) -> None:
     ("path", "body"),
     [
         ("/tokenize", {"prompt": ""}),
+        # vLLM's TokenizeCompletionRequest.prompt is a string: no ids, no batch
+        ("/tokenize", {"prompt": [1, 2]}),
+        ("/tokenize", {"prompt": ["a", "b"]}),
+        ("/tokenize", {"prompt": ["a"]}),
+        ("/tokenize", {"prompt": 5}),
+        ("/tokenize", {}),
         ("/detokenize", {"tokens": ["x"]}),
         ("/detokenize", {"tokens": [-1]}),
         ("/v1/chat/completions/render", {"messages": "no"}),
@@ -110,9 +116,9 @@ async def test_a_model_not_served_is_a_404_as_vllm_answers(
 
 
 async def test_bodies_past_one_mebibyte_are_read(mock: str) -> None:
-    ids = list(range(100_000, 400_000))  # 2.1 MB of JSON
-    raw = json.dumps({"prompt": ids}).encode()
+    text = "ab" * 2**20  # 2 MiB of text (/tokenize takes text only, as vLLM's)
+    raw = json.dumps({"prompt": text}).encode()
     assert len(raw) > 2**21
     async with aiohttp.ClientSession() as http, http.post(mock + "/tokenize", data=raw) as r:
         assert r.status == 200
-        assert (await r.json())["count"] == len(ids)
+        assert (await r.json())["count"] == len(text)

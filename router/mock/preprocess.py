@@ -147,6 +147,9 @@ def handlers(
     async def tokenize(request: web.Request) -> Any:
         tokenizer = tokenizer_of(request)
         body = await _body(request)
+        if "messages" not in body and not isinstance(body.get("prompt"), str):
+            # vLLM's TokenizeCompletionRequest.prompt is a str: ids and batches fail its schema
+            raise BadRequest("prompt: Input should be a valid string")
         ids = tokenizer.chat(body) if "messages" in body else tokenizer.completion(body)
         strs = None
         if body.get("return_token_strs"):  # vLLM's TokenizeResponse.token_strs
