@@ -122,3 +122,23 @@ async def test_bodies_past_one_mebibyte_are_read(mock: str) -> None:
     async with aiohttp.ClientSession() as http, http.post(mock + "/tokenize", data=raw) as r:
         assert r.status == 200
         assert (await r.json())["count"] == len(text)
+
+
+async def test_detokenize_takes_ids_as_vllm_does(mock: str) -> None:
+    """vLLM's DetokenizeRequest takes ids in [0, 2**63) and decodes them with the model's
+    tokenizer: HF ``tokenizers`` drops an id outside its vocabulary, and refuses one past
+    u32 (an OverflowError, vLLM's 400)."""
+    status, got = await _post(mock, "/detokenize", {"tokens": [104, 10**6, 105]})
+    assert (status, got) == (200, {"prompt": "hi"})
+    status, got = await _post(mock, "/detokenize", {"tokens": [104, 2**32]})
+    assert status == 400 and isinstance(got, dict)
+    assert got["error"] == {
+        "message": "number too large to fit in target type",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+    for bad in (2**63, True, 1.5):
+        status, got = await _post(mock, "/detokenize", {"tokens": [bad]})
+        assert status == 400 and isinstance(got, dict)
+        assert got["error"]["message"] != "number too large to fit in target type"

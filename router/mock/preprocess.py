@@ -164,10 +164,10 @@ def handlers(
     async def detokenize(request: web.Request) -> Any:
         body = await _body(request)
         ids = body.get("tokens")
-        if not isinstance(ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in ids
-        ):
-            raise BadRequest("'tokens' must be an array of token ids")
+        if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < 2**63 for t in ids):
+            raise BadRequest("'tokens' must be an array of token ids in [0, 2**63)")  # vLLM's
+        if any(t >= 2**32 for t in ids):  # HF tokenizers' decode takes u32 ids
+            raise BadRequest("number too large to fit in target type")  # its OverflowError
         return {"prompt": tokenizer_of(request).decode(ids)}
 
     return {
