@@ -75,6 +75,12 @@ async def test_tokenize_and_detokenize_round_trip(mock: str) -> None:
     ("path", "body"),
     [
         ("/tokenize", {"prompt": ""}),
+        # vLLM's TokenizeCompletionRequest.prompt is a string: no ids, no batch
+        ("/tokenize", {"prompt": [1, 2]}),
+        ("/tokenize", {"prompt": ["a", "b"]}),
+        ("/tokenize", {"prompt": ["a"]}),
+        ("/tokenize", {"prompt": 5}),
+        ("/tokenize", {}),
         ("/detokenize", {"tokens": ["x"]}),
         ("/detokenize", {"tokens": [-1]}),
         ("/v1/chat/completions/render", {"messages": "no"}),
@@ -110,9 +116,29 @@ async def test_a_model_not_served_is_a_404_as_vllm_answers(
 
 
 async def test_bodies_past_one_mebibyte_are_read(mock: str) -> None:
-    ids = list(range(100_000, 400_000))  # 2.1 MB of JSON
-    raw = json.dumps({"prompt": ids}).encode()
+    text = "ab" * 2**20  # 2 MiB of text (/tokenize takes text only, as vLLM's)
+    raw = json.dumps({"prompt": text}).encode()
     assert len(raw) > 2**21
     async with aiohttp.ClientSession() as http, http.post(mock + "/tokenize", data=raw) as r:
         assert r.status == 200
-        assert (await r.json())["count"] == len(ids)
+        assert (await r.json())["count"] == len(text)
+
+
+async def test_detokenize_takes_ids_as_vllm_does(mock: str) -> None:
+    """vLLM's DetokenizeRequest takes ids in [0, 2**63) and decodes them with the model's
+    tokenizer: HF ``tokenizers`` drops an id outside its vocabulary, and refuses one past
+    u32 (an OverflowError, vLLM's 400)."""
+    status, got = await _post(mock, "/detokenize", {"tokens": [104, 10**6, 105]})
+    assert (status, got) == (200, {"prompt": "hi"})
+    status, got = await _post(mock, "/detokenize", {"tokens": [104, 2**32]})
+    assert status == 400 and isinstance(got, dict)
+    assert got["error"] == {
+        "message": "number too large to fit in target type",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+    for bad in (2**63, True, 1.5):
+        status, got = await _post(mock, "/detokenize", {"tokens": [bad]})
+        assert status == 400 and isinstance(got, dict)
+        assert got["error"]["message"] != "number too large to fit in target type"

@@ -8,6 +8,7 @@ message has the role answered. Every answer is read by vLLM's own response model
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -24,13 +25,15 @@ async def post() -> AsyncIterator[Callable[..., Any]]:
     runner, url = await start_mock(MockSettings(model="m", block_size=16))
     session = aiohttp.ClientSession()
 
-    async def send(path: str, body: dict[str, Any] | None = None, status: int = 200) -> Any:
+    async def send(
+        path: str, body: dict[str, Any] | None = None, status: int = 200, raw: bool = False
+    ) -> Any:
         if body is None:  # a GET of a text page
             async with session.get(f"{url}{path}") as r:
                 return await r.text()
         async with session.post(f"{url}{path}", json={"model": "m", **body}) as r:
             assert r.status == status, await r.text()
-            return await r.json()
+            return await (r.text() if raw else r.json())
 
     yield send
     await session.close()
@@ -146,3 +149,63 @@ async def test_a_request_reading_no_cache_is_no_prefix_cache_query(
     hits = looked_up["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert hits > 0
     assert metric_sample(page, "vllm:prefix_cache_hits_total", **labels) == hits
+
+
+async def test_without_a_generation_prompt_the_answer_has_the_last_messages_role(
+    post: Callable[..., Any],
+) -> None:
+    """vLLM's ``get_chat_request_role``: the last message's role when
+    ``add_generation_prompt`` is false, in the answer's message and a stream's role chunk."""
+    _, chat = _models()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Once"}]
+    body = {"messages": messages, "max_tokens": 2, "add_generation_prompt": False}
+    answer = await post("/v1/chat/completions", body)
+    chat.model_validate(answer)
+    assert answer["choices"][0]["message"]["role"] == "user"
+    for n in (1, 2):
+        text = await post("/v1/chat/completions", {**body, "n": n, "stream": True}, raw=True)
+        roles = [
+            choice["delta"]["role"]
+            for line in text.splitlines()
+            if line.startswith("data: {")
+            for choice in json.loads(line[6:])["choices"]
+            if "role" in choice["delta"]
+        ]
+        assert roles == ["user"] * n
+    many = await post("/v1/chat/completions", {**body, "n": 2})
+    assert [c["message"]["role"] for c in many["choices"]] == ["user", "user"]
+
+
+async def test_echo_without_generation_answers_the_prompt_alone(
+    post: Callable[..., Any],
+) -> None:
+    """Completions' ``echo`` with ``max_tokens: 0`` (lm-eval's loglikelihood request): vLLM
+    runs the engine for one token (``echo_without_generation``) and answers the prompt's
+    text and, asked, its logprobs alone; the one token is counted in
+    ``completion_tokens`` (``len(output.token_ids)``), and it ends with ``length``."""
+    completion, _ = _models()
+    body = {"prompt": "hello", "max_tokens": 0, "echo": True, "logprobs": 1}
+    answer = await post("/v1/completions", body)
+    completion.model_validate(answer)
+    choice = answer["choices"][0]
+    assert choice["text"] == "hello" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == list("hello")
+    assert choice["logprobs"]["token_logprobs"] == [None, 0.0, 0.0, 0.0, 0.0]
+    assert answer["usage"]["prompt_tokens"] == 5 and answer["usage"]["completion_tokens"] == 1
+    plain = await post("/v1/completions", {**body, "logprobs": None, "n": 2})
+    assert [c["text"] for c in plain["choices"]] == ["hello", "hello"]
+    assert [c["logprobs"] for c in plain["choices"]] == [None, None]
+    opts = {"stream_options": {"include_usage": True}}
+    text = await post("/v1/completions", {**body, "stream": True, **opts}, raw=True)
+    chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    assert "".join(c["text"] for c in choices) == "hello"
+    assert [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]] == list("hello")
+    assert choices[-1]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 1
+
+
+async def test_no_output_without_echo_is_still_refused(post: Callable[..., Any]) -> None:
+    await post("/v1/completions", {"prompt": "hello", "max_tokens": 0}, status=400)
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0, "echo": True}
+    await post("/v1/chat/completions", body, status=400)

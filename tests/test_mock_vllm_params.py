@@ -139,8 +139,10 @@ async def test_sampling_parameters_in_vllm_s_ranges_are_served(
     fields |= {"presence_penalty": 2, "frequency_penalty": -2, "repetition_penalty": 1.1}
     fields |= {"min_tokens": 2, "max_tokens": 2, "stop": "x", "seed": 1}
     for path, body in (
-        ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": -1}),
-        ("/v1/completions", {"prompt": "hi", "logprobs": -1}),
+        # (-1, all of the vocabulary, is more than vLLM's default --max-logprobs of 20:
+        # tests/test_mock_top_logprobs.py)
+        ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 20}),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 20}),
         ("/v1/completions", {"prompt": "hi", "temperature": "0", "n": 1, "top_p": None}),
     ):
         status, ok = await _post(url, path, {"model": MODEL} | fields | body)

@@ -65,6 +65,7 @@ def _build(args: argparse.Namespace) -> web.Application | int:
         image_placeholder=args.image_placeholder,
         image_token=args.image_token,
         default_max_tokens=args.default_max_tokens,
+        max_logprobs=args.max_logprobs,
         time_scale=args.time_scale,
         scheduling_policy=args.scheduling_policy,
         rack=args.rack,
@@ -126,6 +127,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         type=at_least(1),
         default=16,
         help="output tokens of a request that names no limit",
+    )
+    p.add_argument(
+        "--max-logprobs",
+        type=at_least(0),
+        default=20,
+        help="vLLM's: requests asking more (sample or prompt) logprobs are refused",
     )
     p.add_argument(
         "--scheduling-policy",

@@ -96,6 +96,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     responses = kind == "responses"
     fail = anthropic.error if messages else _error
 
+    body: dict[str, Any] = {}
     try:
         state, body = await _read(request)
         if pd.refused_first(body, kind):
@@ -118,6 +119,17 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     except ModelNotServed as exc:
         request.app[STATE].counters.bad_requests += 1
         return fail(404, str(exc)) if messages else _error(404, str(exc), param="model")
+    except sampling.EngineRefused as exc:  # vLLM's engine refuses it once a stream is open
+        request.app[STATE].counters.bad_requests += 1
+        if body.get("stream") is not True:
+            return _error(400, str(exc), param=exc.param)
+        refusal = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await refusal.prepare(request)
+        await refusal.write(oa.stream_error(str(exc), exc.param))
+        await refusal.write_eof()
+        return refusal
     except BadRequest as exc:
         request.app[STATE].counters.bad_requests += 1
         if isinstance(exc, sampling.Refused) and not messages:
@@ -153,6 +165,9 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         decode,
         fingerprint=state.fingerprint,
         with_logprobs=with_logprobs,
+        top_logprobs=lp.top_shown(body, chat),
+        role=lp.answered_role(body),
+        echo_only=lp.echo_only(body, kind),
         # completions' logprobs with echo list the prompt's tokens first
         echo_logprobs=with_logprobs and not chat and lp.echoes(body),
         include_usage=bool(opts.get("include_usage")),
@@ -305,7 +320,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         if ending:  # (an empty write ends the body)
             await response.write(ending)
         return await oa.end_stream(response, oai, usage if opts.get("include_usage") else None)
-    text = echo + "".join(words)
+    text = oai.text(echo, words)
     one = oai.choice(0, text, oai.logprobs(prompt_ids, words), finish_reason, prompt_logprobs)
     return web.json_response(oai.body([one], usage, prompt_logprobs, transfer))
 

@@ -166,6 +166,9 @@ async def serve(
         decode,
         fingerprint=state.fingerprint,
         with_logprobs=with_logprobs,
+        top_logprobs=lp.top_shown(body, chat),
+        role=lp.answered_role(body),
+        echo_only=lp.echo_only(body, kind),
         echo_logprobs=with_logprobs and not chat and echoes,
         include_usage=bool(opts.get("include_usage")),
         continuous=bool(opts.get("include_usage") and opts.get("continuous_usage_stats")),
@@ -307,7 +310,7 @@ def _answer(
     decode = many.state.tokenizer.decode
     choices: list[dict[str, Any]] = []
     for s in seqs:
-        text = echo_of(s.prompt) + "".join(s.words)
+        text = answer.text(echo_of(s.prompt), s.words)
         entries = None
         if not answer.chat and not s.req.reads_cache:  # completions': the choice's own
             entries = lp.prompt_entries(s.prompt.tokens, decode)

@@ -94,10 +94,11 @@ def running_usage(prompt: int, produced: int, cached: int | None = None) -> dict
     return used
 
 
-def stream_error(reason: str) -> bytes:
-    """An opened stream's ending when the engine refuses a sequence: the error, ``[DONE]``."""
+def stream_error(reason: str, param: str | None = None) -> bytes:
+    """An opened stream's ending when the engine refuses a sequence: the error (naming the
+    ``param`` refused), ``[DONE]``."""
     error: dict[str, Any] = {"message": reason, "type": "BadRequestError"}
-    error |= {"param": None, "code": 400}
+    error |= {"param": param, "code": 400}
     return sse({"error": error}) + DONE
 
 
@@ -116,6 +117,9 @@ class Answer:
     decode: lp.Decode
     fingerprint: str | None = None
     with_logprobs: bool = False
+    top_logprobs: int = 1  # the candidates listed a position (logprobs.top_shown)
+    role: str = "assistant"  # chat's answering role (logprobs.answered_role)
+    echo_only: bool = False  # the prompt's echo alone, no token shown (logprobs.echo_only)
     echo_logprobs: bool = False
     include_usage: bool = False
     continuous: bool = False
@@ -163,7 +167,7 @@ class Answer:
         """Chat's first chunks, before any token's: every choice's role (empty content),
         then its ``echo`` (vLLM's first output); ``prompt``, ``cached``: the first prompt's
         tokens and hit."""
-        deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+        deltas: list[dict[str, Any]] = [{"role": self.role, "content": ""}]
         deltas += [{"content": echo}] if echo else []
         out = b""
         for k, delta in enumerate(deltas):
@@ -176,13 +180,20 @@ class Answer:
                 out += self.chunk(choice, used)
         return out
 
+    def text(self, echo: str, words: list[str]) -> str:
+        """A whole choice's text: its ``echo``, then its tokens' ``words`` (none shown with
+        ``echo_only``)."""
+        return echo if self.echo_only else echo + "".join(words)
+
     def logprobs(self, prompt_ids: list[int], words: list[str]) -> dict[str, Any] | None:
         """A whole choice's logprobs (None: not asked)."""
         if not self.with_logprobs:
             return None
+        if self.echo_only:
+            words = []
         if self.echo_logprobs:
-            return lp.echoed(prompt_ids, self.decode, words)
-        return lp.sampled(words, self.chat)
+            return lp.echoed(prompt_ids, self.decode, words, self.top_logprobs)
+        return lp.sampled(words, self.chat, top=self.top_logprobs)
 
     def choice(
         self,
@@ -195,7 +206,7 @@ class Answer:
         """A non-streamed choice as vLLM dumps it (``prompt_logprobs``: completions')."""
         choice: dict[str, Any]
         if self.chat:
-            message = {"role": "assistant", "content": text, "refusal": None, "audio": None}
+            message = {"role": self.role, "content": text, "refusal": None, "audio": None}
             message |= {"function_call": None, "reasoning": None}
             choice = {"index": index, "message": message, "logprobs": logprobs}
         else:
@@ -258,14 +269,16 @@ class ChoiceStream:
         a = self.answer
         first = not self.started
         self.started = True
+        if a.echo_only:
+            words = []
         text = "".join(words)
         logprobs = None
-        if a.with_logprobs and words:
+        if a.with_logprobs and (words or (first and a.echo_logprobs)):
             if first and a.echo_logprobs:
-                logprobs = lp.echoed(self.prompt_ids, a.decode, words)
+                logprobs = lp.echoed(self.prompt_ids, a.decode, words, a.top_logprobs)
                 self.offset += len("".join(logprobs["tokens"]))
             else:
-                logprobs = lp.sampled(words, a.chat, self.offset)
+                logprobs = lp.sampled(words, a.chat, self.offset, a.top_logprobs)
                 self.offset += len(text)
         if first:
             text = self.echo + text

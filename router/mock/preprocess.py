@@ -147,6 +147,9 @@ def handlers(
     async def tokenize(request: web.Request) -> Any:
         tokenizer = tokenizer_of(request)
         body = await _body(request)
+        if "messages" not in body and not isinstance(body.get("prompt"), str):
+            # vLLM's TokenizeCompletionRequest.prompt is a str: ids and batches fail its schema
+            raise BadRequest("prompt: Input should be a valid string")
         ids = tokenizer.chat(body) if "messages" in body else tokenizer.completion(body)
         strs = None
         if body.get("return_token_strs"):  # vLLM's TokenizeResponse.token_strs
@@ -161,10 +164,10 @@ def handlers(
     async def detokenize(request: web.Request) -> Any:
         body = await _body(request)
         ids = body.get("tokens")
-        if not isinstance(ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in ids
-        ):
-            raise BadRequest("'tokens' must be an array of token ids")
+        if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < 2**63 for t in ids):
+            raise BadRequest("'tokens' must be an array of token ids in [0, 2**63)")  # vLLM's
+        if any(t >= 2**32 for t in ids):  # HF tokenizers' decode takes u32 ids
+            raise BadRequest("number too large to fit in target type")  # its OverflowError
         return {"prompt": tokenizer_of(request).decode(ids)}
 
     return {

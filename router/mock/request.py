@@ -39,6 +39,8 @@ def max_tokens(body: Mapping[str, Any], settings: MockSettings, kind: str, promp
         value = body.get("max_output_tokens")  # the Responses API's
     if value is None:
         value = settings.default_max_tokens
+    elif lp.echo_only(body, kind):
+        return 1  # vLLM's echo_without_generation: the engine runs one token
     elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise BadRequest("'max_tokens' must be a positive integer")
     return max(1, min(value, settings.max_model_len - prompt))
@@ -127,6 +129,7 @@ def engine_request(state: MockState, body: dict[str, Any], kind: str) -> tuple[A
         priority=priority(body),
     )
     sampling.check(body, kind, req.max_output_tokens)  # vLLM's SamplingParams, built here
+    sampling.check_engine(body, kind, state.settings.max_logprobs)  # and the engine's checks
     return req, tokens
 
 

@@ -43,6 +43,11 @@ class Refused(BadRequest):
         self.param = param
 
 
+class EngineRefused(Refused):
+    """A refusal of vLLM's engine (``SamplingParams.verify``, when it takes the request):
+    vLLM has opened a stream by then, so a stream gets it as its error event."""
+
+
 def _float(body: Mapping[str, Any], name: str) -> float:
     """A float field as pydantic reads it (a number or a numeric string), its default if
     absent or null."""
@@ -148,3 +153,30 @@ def check(body: Mapping[str, Any], kind: str, max_tokens: int) -> None:
         raise Refused("stop cannot contain an empty string.")
     if temperature < _SAMPLING_EPS and n > 1:
         raise Refused(f"n must be 1 when using greedy sampling, got {n}.")
+
+
+def check_engine(body: Mapping[str, Any], kind: str, max_logprobs: int) -> None:
+    """Refuse (:class:`EngineRefused`) the logprobs vLLM's engine refuses
+    (``SamplingParams._validate_logprobs``, in its words): more sample logprobs (chat's
+    ``top_logprobs`` with ``logprobs``, completions' ``logprobs``) or prompt logprobs
+    (``prompt_logprobs``, or with ``echo`` the sample count's field) than ``max_logprobs``
+    (vLLM's ``--max-logprobs``). -1 (all of the vocabulary) is refused too, named as asked:
+    the mock has no model vocabulary size."""
+    if kind not in ("chat", "completion"):
+        return
+    chat = kind == "chat"
+    sample = _check_logprobs(body, chat)
+    prompt = _int(body, "prompt_logprobs", None)
+    if prompt is None and lax_bool(body.get("echo")) is True:
+        prompt = _int(body, "top_logprobs", 0) if chat else _int(body, "logprobs", None)
+    for value, name, what in (
+        (sample, "logprobs", "sample"),
+        (prompt, "prompt_logprobs", "prompt"),
+    ):
+        if value and (value == -1 or value > max_logprobs):
+            raise EngineRefused(
+                f"Requested {what} logprobs of {value}, which is greater than max allowed: "
+                f"{max_logprobs}",
+                name,
+                value,
+            )

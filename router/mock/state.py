@@ -55,6 +55,7 @@ class MockSettings:
     image_placeholder: str = ""
     image_token: str = ""
     default_max_tokens: int = 16
+    max_logprobs: int = 20  # vLLM's --max-logprobs: more logprobs asked are refused
     # the context length (/v1/models, /tokenize): longer prompts, or more output, are refused
     max_model_len: int = 1_048_576
     max_body_mb: float = 1024.0  # vLLM has no body cap; aiohttp's default is 1 MiB

@@ -152,12 +152,15 @@ class ByteTokenizer:
         return list(_text_prompt(body).encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Bytes back to text; role ids as ``<|role|>`` (other ids above 255: ``<|id|>``)."""
+        """Bytes back to text; role ids as ``<|role|>`` (the other roles' and the image's:
+        ``<|id|>``); ids outside the vocabulary are dropped, as HF ``tokenizers`` drops them."""
         out: list[str] = []
         run = bytearray()
         for t in ids:
             if t < 256:
                 run.append(t)
+                continue
+            if t > IMAGE_ID:
                 continue
             out.append(run.decode("utf-8", "replace"))
             run.clear()
