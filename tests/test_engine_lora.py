@@ -254,7 +254,7 @@ async def test_the_publisher_started_with_lora_base_publishes_an_adapters_entry(
     ("value", "needle"),
     [
         (True, r"models\.sql-lora\.lora_base: expected str \| None, got True"),
-        ("", r"models\.sql-lora\.lora_base: expected the base model's name"),
+        ("", r"models\.sql-lora\.lora_base: empty; remove the setting or give a value"),
         (ADAPTER, r"models\.sql-lora\.lora_base: names the adapter itself"),
     ],
 )
