@@ -19,7 +19,7 @@ import pytest
 
 from router.mock.server import MockSettings
 from tests.backends import start_mock
-from tests.engines import anthropic_ref
+from tests.test_mock_prompt_logprobs import _models
 
 CHAT = [{"role": "user", "content": "hello"}]
 
@@ -39,14 +39,6 @@ async def post() -> AsyncIterator[Callable[..., Any]]:
     yield send
     await session.close()
     await runner.cleanup()
-
-
-def _models() -> tuple[Any, Any]:
-    mods = anthropic_ref.load()
-    return (
-        mods["vllm.entrypoints.openai.completion.protocol"].CompletionResponse,
-        mods["vllm.entrypoints.openai.chat_completion.protocol"].ChatCompletionResponse,
-    )
 
 
 @pytest.mark.parametrize("top", [None, 0, 1, 3])
