@@ -159,7 +159,7 @@ def _replay(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text + "\n")
         sys.stdout.write(
-            f"{workload.client_requests()} requests, speed-up {args.speedup}x, "
+            f"{common['requests']} requests, speed-up {args.speedup}x, "
             f"wall {sim_wall:.2f} s "
             f"(trace load + hashing {load_s:.2f} s; ceilings {ceiling_s:.2f} s more)\n"
         )

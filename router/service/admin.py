@@ -211,6 +211,14 @@ async def _peer_list(
     return items
 
 
+def decisions_limit(req: HttpRequest) -> int | Reply:
+    """``?limit=``: how many decisions (default 50); the refusal for a non-integer."""
+    try:
+        return int(req.query().get("limit", "50"))
+    except ValueError:
+        return error(ErrorReply(400, "limit must be an integer", param="limit"))
+
+
 def _scope(req: HttpRequest) -> str | Reply:
     """``?workers=``: ``this`` (the default: the answering worker's view) or ``all``; the
     refusal for anything else."""
@@ -283,10 +291,9 @@ def add_routes(routes: Routes, app: web.Application) -> None:
         return handler
 
     async def decisions(req: HttpRequest, _: str) -> Reply:
-        try:
-            limit = int(req.query().get("limit", "50"))
-        except ValueError:
-            return error(ErrorReply(400, "limit must be an integer", param="limit"))
+        limit = decisions_limit(req)
+        if isinstance(limit, Reply):
+            return limit
         scope = _scope(req)
         if isinstance(scope, Reply):
             return scope

@@ -30,6 +30,7 @@ from router.service.admin import (
     DECISIONS_PATH,
     apply_drain,
     authorised,
+    decisions_limit,
     own_decisions,
     replica_rows,
 )
@@ -89,10 +90,9 @@ def control_routes(app: web.Application, index: int) -> Routes:
         denied = authorised(req, state.settings.server.admin_token)
         if denied is not None:
             return denied
-        try:
-            limit = int(req.query().get("limit", "50"))
-        except ValueError:
-            return error(ErrorReply(400, "limit must be an integer", param="limit"))
+        limit = decisions_limit(req)
+        if isinstance(limit, Reply):
+            return limit
         return Reply.json({"decisions": own_decisions(state, limit)})
 
     async def drained(req: HttpRequest, _: str) -> Reply:
